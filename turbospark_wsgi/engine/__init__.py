@@ -1,0 +1,21 @@
+"""The engine's public API: the only names the rest of the package imports.
+
+    engine = load_engine("model.gguf" or "hf_dir/", device="auto")
+    ids = engine.encode(text, add_bos=True)
+    for event in engine.generate(ids, SamplingParams(...), should_stop=cancel.is_set):
+        ...   # Prefill, Token, then one Finish
+
+Each `next()` on the generator does at most one prefill chunk or one decode step, so a caller may
+drive it one step at a time from a compute thread. One generation at a time per Engine.
+"""
+from .events import Finish, FinishReason, Prefill, Token
+from .sampling import SamplingParams
+
+__all__ = ["Engine", "load_engine", "SamplingParams", "FinishReason", "Prefill", "Token", "Finish"]
+
+
+def __getattr__(name):  # keep `import turbospark_wsgi.engine` cheap: numpy/tokenizers load on first use
+    if name in ("Engine", "load_engine"):
+        from . import engine
+        return getattr(engine, name)
+    raise AttributeError(name)

@@ -1,0 +1,32 @@
+"""What Engine.generate yields. Each `next()` does at most one prefill chunk or one decode step."""
+from dataclasses import dataclass
+
+
+class FinishReason:
+    STOP = "stop"            # eos / end-of-turn token, or a stop string (then Finish.stop_string is set)
+    LENGTH = "length"        # max_new_tokens reached, or the context is full
+    CANCELLED = "cancelled"  # should_stop() returned True
+
+
+@dataclass(slots=True)
+class Prefill:
+    done: int                # prompt tokens processed so far (includes reused cached prefix)
+    total: int
+
+
+@dataclass(slots=True)
+class Token:
+    id: int
+    text: str                # text released by this step ("" while held back: partial UTF-8 or a possible stop string)
+    logprob: float | None = None          # log-softmax of the chosen token (after processors, before temperature)
+    top_logprobs: list | None = None      # [(token_id, logprob)], best first, len = params.logprobs
+
+
+@dataclass(slots=True)
+class Finish:
+    reason: str
+    text: str = ""           # held-back text released at the end (never part of a stop string)
+    stop_string: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0   # prompt tokens whose KV came from the prefix cache

@@ -1,0 +1,93 @@
+"""The ApiError hierarchy: status, type, param and code for every refusal. No falcon here."""
+
+
+class ApiError(Exception):
+    status = 500
+    type = "server_error"
+    anthropic_type = "api_error"
+    code = None
+
+    def __init__(self, message, *, param=None, code=None, headers=None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        if code is not None:
+            self.code = code
+        self.headers = dict(headers or {})
+
+
+class InvalidRequest(ApiError):
+    status = 400
+    type = "invalid_request_error"
+    anthropic_type = "invalid_request_error"
+
+
+class ContextLengthExceeded(InvalidRequest):
+    code = "context_length_exceeded"
+
+
+class Unauthorized(ApiError):
+    status = 401
+    type = "authentication_error"
+    anthropic_type = "authentication_error"
+    code = "invalid_api_key"
+
+
+class NotFound(ApiError):
+    status = 404
+    type = "invalid_request_error"
+    anthropic_type = "not_found_error"
+    code = "not_found"
+
+
+class ModelNotFound(NotFound):
+    code = "model_not_found"
+
+
+class MethodNotAllowed(ApiError):
+    status = 405
+    type = "invalid_request_error"
+    anthropic_type = "invalid_request_error"
+    code = "method_not_allowed"
+
+
+class PayloadTooLarge(ApiError):
+    status = 413
+    type = "invalid_request_error"
+    anthropic_type = "request_too_large"
+    code = "request_too_large"
+
+
+class UnsupportedMediaType(ApiError):
+    status = 415
+    type = "invalid_request_error"
+    anthropic_type = "invalid_request_error"
+    code = "unsupported_media_type"
+
+
+class Overloaded(ApiError):
+    """The lock queue is full or the wait timed out: 503 with Retry-After."""
+
+    status = 503
+    type = "server_error"
+    anthropic_type = "overloaded_error"
+    code = "server_overloaded"
+
+    def __init__(self, message, *, retry_after=1, **kw):
+        super().__init__(message, **kw)
+        self.headers.setdefault("Retry-After", str(int(retry_after)))
+
+
+class NotReady(ApiError):
+    status = 503
+    type = "server_error"
+    anthropic_type = "overloaded_error"
+    code = "model_not_ready"
+
+
+class EngineError(ApiError):
+    """A real fault inside generation; the message shown to clients stays generic."""
+
+    status = 500
+    type = "server_error"
+    anthropic_type = "api_error"
