@@ -18,7 +18,7 @@ class Prefill:
 class Token:
     id: int
     text: str                # text released by this step ("" while held back: partial UTF-8 or a possible stop string)
-    logprob: float | None = None          # log-softmax of the chosen token (after processors, before temperature)
+    logprob: float | None = None          # log-softmax of the raw logits at the chosen token
     top_logprobs: list | None = None      # [(token_id, logprob)], best first, len = params.logprobs
 
 

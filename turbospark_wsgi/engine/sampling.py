@@ -1,5 +1,12 @@
-"""Sampling parameters, logits processors and samplers."""
+"""Sampling parameters, logits processors and samplers.
+
+Order per step: logit_bias, repetition penalty (prompt + output), presence/frequency penalties
+(output only), then temperature 0 -> argmax, else temperature, top_k, top_p, min_p and a draw from
+the request's own RNG. Log-probabilities are reported from the model's raw logits.
+"""
 from dataclasses import dataclass, field
+
+import numpy as np
 
 
 @dataclass(slots=True)
@@ -18,3 +25,84 @@ class SamplingParams:
     stop: tuple = ()                    # stop strings, matched on text
     stop_token_ids: tuple = ()          # extra ids that end the run (besides the model's eos/end-of-turn)
     ignore_eos: bool = False
+
+
+def log_softmax(logits):
+    # logits: [..., V] float32 -> float64 log-probabilities (float64 so logprobs are exact to 1e-6)
+    x = logits.astype(np.float64)
+    m = x.max(axis=-1, keepdims=True)
+    return x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))
+
+
+def top_n(logprobs, n):
+    """[(id, logprob)] of the n best entries, best first (ties: lower id first)."""
+    if n <= 0:
+        return []
+    idx = np.argpartition(-logprobs, n - 1)[:n] if n < logprobs.shape[0] else np.arange(logprobs.shape[0])
+    idx = idx[np.lexsort((idx, -logprobs[idx]))]
+    return [(int(i), float(logprobs[i])) for i in idx]
+
+
+class Sampler:
+    """Per-request sampler: owns its RNG and the token counts the penalties need."""
+
+    def __init__(self, params, prompt_ids=()):
+        self.params = params
+        self.rng = np.random.default_rng(params.seed)
+        self.seen = set(int(t) for t in prompt_ids)       # for the repetition penalty
+        self.counts = {}                                  # output token -> count
+
+    def __call__(self, logits):
+        """logits: [V] float32 -> (token id, logprob | None, top logprobs | None)."""
+        p = self.params
+        token = self._choose(self._process(logits))
+        self.seen.add(token)
+        self.counts[token] = self.counts.get(token, 0) + 1
+        if p.logprobs is None:
+            return token, None, None
+        lp = log_softmax(logits)
+        return token, float(lp[token]), top_n(lp, p.logprobs)
+
+    def _process(self, logits):
+        p = self.params
+        if not (p.logit_bias or p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty):
+            return logits
+        x = logits.astype(np.float32, copy=True)
+        for tok, bias in p.logit_bias.items():
+            if 0 <= tok < x.shape[0]:
+                x[tok] += bias
+        if p.repetition_penalty != 1.0 and self.seen:
+            ids = np.fromiter(self.seen, dtype=np.int64)
+            v = x[ids]
+            x[ids] = np.where(v > 0, v / p.repetition_penalty, v * p.repetition_penalty)
+        if (p.presence_penalty or p.frequency_penalty) and self.counts:
+            ids = np.fromiter(self.counts.keys(), dtype=np.int64)
+            n = np.fromiter(self.counts.values(), dtype=np.float32)
+            x[ids] -= p.presence_penalty + p.frequency_penalty * n
+        return x
+
+    def _choose(self, x):
+        p = self.params
+        if p.temperature <= 0:
+            return int(np.argmax(x))
+        ids, probs = candidates(x, p.temperature, p.top_k, p.top_p, p.min_p)
+        return int(ids[np.searchsorted(np.cumsum(probs), self.rng.random() * probs.sum(), side="right").clip(max=len(ids) - 1)])
+
+
+def candidates(x, temperature, top_k=0, top_p=1.0, min_p=0.0):
+    """Surviving token ids and their unnormalised probabilities, best first."""
+    z = x.astype(np.float64) / temperature
+    if 0 < top_k < z.shape[0]:
+        ids = np.argpartition(-z, top_k - 1)[:top_k]
+    else:
+        ids = np.arange(z.shape[0])
+    ids = ids[np.argsort(-z[ids], kind="stable")]          # best first
+    probs = np.exp(z[ids] - z[ids[0]])                     # [K], probs[0] == 1
+    if min_p > 0:
+        keep = probs >= min_p                              # relative to the best token
+        ids, probs = ids[keep], probs[keep]
+    if top_p < 1.0:
+        cum = np.cumsum(probs) / probs.sum()
+        cut = int(np.searchsorted(cum, top_p)) + 1         # smallest prefix with mass >= top_p
+        ids, probs = ids[:cut], probs[:cut]
+    return ids, probs
