@@ -1,0 +1,134 @@
+"""turbospark CLI: argparse wiring, the gunicorn command `serve` would exec, and `check --json`."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from turbospark_wsgi import cli
+from turbospark_wsgi import pull as pulling
+
+REPO = Path(__file__).resolve().parent.parent
+STORIES = Path(os.environ.get("TURBOSPARK_TEST_MODELS", "/work/shared/models")) / "stories260K.gguf"
+if not STORIES.is_file():
+    STORIES = REPO.parent / "shared" / "models" / "stories260K.gguf"
+
+
+@pytest.fixture
+def pulls(monkeypatch, tmp_path):
+    """Records pull() calls and answers with a path in tmp_path instead of downloading."""
+    calls = []
+
+    def fake_pull(name, directory, progress=True):
+        calls.append((name, Path(directory)))
+        return Path(directory) / pulling.SOURCES[name].filename
+
+    monkeypatch.setattr(pulling, "pull", fake_pull)
+    monkeypatch.setattr(cli, "gunicorn_conf", lambda: REPO / "gunicorn.conf.py")
+    return calls
+
+
+def serve(argv, environ=None):
+    return cli.serve_command(cli.build_parser().parse_args(["serve", *argv]), environ=environ or {})
+
+
+def test_serve_defaults_pull_the_default_model_and_exec_gunicorn(pulls, tmp_path):
+    argv, env = serve([], {"TURBOSPARK_MODELS": str(tmp_path)})
+    assert argv == [sys.executable, "-m", "gunicorn", "-c", str(REPO / "gunicorn.conf.py"), cli.WSGI_APP]
+    assert pulls == [(pulling.DEFAULT_MODEL, tmp_path)]
+    assert env["TURBOSPARK_MODEL"] == str(tmp_path / "SmolLM2-135M-Instruct.Q4_1.gguf")
+    for var in ("TURBOSPARK_HOST", "TURBOSPARK_PORT", "TURBOSPARK_THREADS"):
+        assert var not in env                  # config.py's defaults apply
+
+
+def test_serve_flags_become_environment(pulls, tmp_path):
+    model = tmp_path / "m.gguf"
+    argv, env = serve(["--model", str(model), "--host", "0.0.0.0", "--port", "9001",
+                       "--models-dir", str(tmp_path), "--device", "cpu", "--max-waiting", "3",
+                       "--threads", "12", "--worker-class", "gevent", "--max-body", "4096",
+                       "--max-context", "1024", "--api-key", "k1", "--api-key", "k2"])
+    assert pulls == []                         # a path is served as it is
+    assert {k: v for k, v in env.items() if k.startswith("TURBOSPARK_")} == {
+        "TURBOSPARK_MODEL": str(model), "TURBOSPARK_MODELS": str(tmp_path),
+        "TURBOSPARK_HOST": "0.0.0.0", "TURBOSPARK_PORT": "9001", "TURBOSPARK_DEVICE": "cpu",
+        "TURBOSPARK_MAX_WAITING": "3", "TURBOSPARK_THREADS": "12",
+        "TURBOSPARK_WORKER_CLASS": "gevent", "TURBOSPARK_MAX_BODY": "4096",
+        "TURBOSPARK_MAX_CONTEXT": "1024", "TURBOSPARK_API_KEYS": "k1,k2"}
+
+
+def test_serve_keeps_operator_environment_when_no_flag_overrides_it(pulls):
+    _, env = serve(["--port", "8100"], {"TURBOSPARK_PORT": "7000", "TURBOSPARK_THREADS": "20",
+                                         "TURBOSPARK_MODEL": "/m/x.gguf"})
+    assert (env["TURBOSPARK_PORT"], env["TURBOSPARK_THREADS"]) == ("8100", "20")
+    assert env["TURBOSPARK_MODEL"] == "/m/x.gguf" and pulls == []
+
+
+def test_serve_rejects_unknown_worker_class():
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["serve", "--worker-class", "sync"])
+
+
+def test_gunicorn_conf_is_the_repository_file():
+    if not (REPO / "gunicorn.conf.py").is_file():
+        pytest.skip("gunicorn.conf.py not in this checkout yet")
+    assert cli.gunicorn_conf() == REPO / "gunicorn.conf.py"
+
+
+def test_pull_unknown_name_fails_with_the_known_names(capsys, tmp_path):
+    assert cli.main(["pull", "nope", "--models-dir", str(tmp_path)]) == 1
+    assert pulling.DEFAULT_MODEL in capsys.readouterr().err
+
+
+def test_models_lists_gguf_files_and_hf_directories(capsys, tmp_path):
+    (tmp_path / "a.gguf").write_bytes(b"GGUF" + b"\0" * 2044)
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text("{}")
+    (tmp_path / "notes.txt").write_text("ignored")
+    assert cli.main(["models", "--models-dir", str(tmp_path)]) == 0
+    lines = [line.split("\t") for line in capsys.readouterr().out.splitlines()]
+    assert [(row[0], row[2]) for row in lines] == [("a", str(tmp_path / "a.gguf")),
+                                                   ("hf", str(tmp_path / "hf"))]
+
+
+def test_module_entry_point_runs():
+    out = subprocess.run([sys.executable, "-m", "turbospark_wsgi", "--help"], capture_output=True,
+                         text=True, cwd=REPO, timeout=60)
+    assert out.returncode == 0 and "serve" in out.stdout
+
+
+@pytest.fixture(scope="module")
+def engine():
+    if not STORIES.is_file():
+        pytest.skip(f"{STORIES} absent")
+    try:
+        from turbospark_wsgi.engine import load_engine
+        return load_engine(STORIES, device="cpu")
+    except ImportError as exc:
+        pytest.skip(f"engine not importable yet: {exc}")
+
+
+def test_check_json_matches_the_engine_run_directly(engine, capsys):
+    from turbospark_wsgi.engine import SamplingParams, Token
+
+    prompt = "Once upon a time"
+    assert cli.main(["check", "--model", str(STORIES), "--prompt", prompt, "--max-tokens", "8",
+                     "--device", "cpu", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["prompt_tokens"] == engine.encode(prompt, add_bos=True)
+    assert out["prompt_tokens"][0] == engine.tokenizer.bos_id
+    direct = [e.id for e in engine.generate(out["prompt_tokens"], SamplingParams(max_new_tokens=8,
+                                                                                temperature=0.0))
+              if isinstance(e, Token)]
+    assert out["tokens"] == direct and 0 < len(direct) <= 8
+    assert out["finish_reason"] in ("stop", "length")
+    assert out["text"] == engine.decode(out["tokens"]) or out["finish_reason"] == "stop"
+    assert out["timings"]["prefill_tokens_per_s"] > 0
+
+
+def test_check_chat_uses_the_chat_template(engine, capsys):
+    assert cli.main(["check", "--model", str(STORIES), "--prompt", "Hi", "--chat", "--max-tokens", "4",
+                     "--device", "cpu", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["prompt_tokens"] == engine.apply_chat_template([{"role": "user", "content": "Hi"}])

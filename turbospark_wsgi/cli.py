@@ -1,0 +1,202 @@
+"""`turbospark serve | pull | models | check`: argparse, then calls into the package."""
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from . import pull as pulling
+
+WSGI_APP = "turbospark_wsgi.wsgi:app"
+
+# flag dest -> environment variable read by config.py / gunicorn.conf.py
+SERVE_ENV = {
+    "model": "TURBOSPARK_MODEL",
+    "models_dir": "TURBOSPARK_MODELS",
+    "host": "TURBOSPARK_HOST",
+    "port": "TURBOSPARK_PORT",
+    "device": "TURBOSPARK_DEVICE",
+    "max_waiting": "TURBOSPARK_MAX_WAITING",
+    "threads": "TURBOSPARK_THREADS",
+    "worker_class": "TURBOSPARK_WORKER_CLASS",
+    "max_body": "TURBOSPARK_MAX_BODY",
+    "max_context": "TURBOSPARK_MAX_CONTEXT",
+    "api_key": "TURBOSPARK_API_KEYS",
+}
+
+
+def build_parser():
+    parser = argparse.ArgumentParser(prog="turbospark", description="OpenAI-compatible LLM server (WSGI).")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _serve_parser(sub.add_parser("serve", help="serve a model over HTTP with gunicorn"))
+    p = sub.add_parser("pull", help="download a known model into the models directory")
+    p.add_argument("name", nargs="?", default=pulling.DEFAULT_MODEL,
+                   help=f"one of: {', '.join(sorted(pulling.SOURCES))} (default %(default)s)")
+    _models_dir_arg(p)
+    p.add_argument("--quiet", action="store_true", help="no progress output")
+    _models_dir_arg(sub.add_parser("models", help="list installed models (id, size, path)"))
+    _check_parser(sub.add_parser("check", help="run one prompt through the engine, no HTTP"))
+    return parser
+
+
+def _models_dir_arg(p):
+    p.add_argument("--models-dir", help="models directory (env TURBOSPARK_MODELS, "
+                                        "default ~/.cache/turbospark/models)")
+
+
+def _serve_parser(p):
+    p.add_argument("--model", help=f"model name, id or path (default {pulling.DEFAULT_MODEL}, "
+                                   "pulled first when missing)")
+    _models_dir_arg(p)
+    p.add_argument("--host", help="bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="bind port (default 8000)")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], help="array backend (default auto)")
+    p.add_argument("--max-waiting", type=int, help="requests allowed to queue; more get 503")
+    p.add_argument("--threads", type=int, help="gthread worker threads")
+    p.add_argument("--worker-class", choices=["gthread", "gevent"], help="gunicorn worker (default gthread)")
+    p.add_argument("--max-body", type=int, help="largest request body in bytes; larger get 413")
+    p.add_argument("--max-context", type=int, help="cap on the context length in tokens")
+    p.add_argument("--api-key", action="append", help="require this bearer key (repeatable)")
+
+
+def _check_parser(p):
+    p.add_argument("--model", default=pulling.DEFAULT_MODEL, help="model name, id or path")
+    _models_dir_arg(p)
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the text")
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    handler = {"serve": cmd_serve, "pull": cmd_pull, "models": cmd_models, "check": cmd_check}
+    try:
+        return handler[args.command](args) or 0
+    except pulling.PullError as exc:
+        print(f"turbospark: {exc}", file=sys.stderr)
+        return 1
+
+
+def models_dir(args):
+    return Path(args.models_dir).expanduser() if args.models_dir else pulling.default_models_dir()
+
+
+# ---- serve ----------------------------------------------------------------------------------------
+
+def cmd_serve(args):
+    argv, env = serve_command(args)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(argv[0], argv, env)
+
+
+def serve_command(args, environ=None):
+    """The gunicorn argv and environment for `serve`; pulls the model first when it is a known name."""
+    env = dict(os.environ if environ is None else environ)
+    for dest, var in SERVE_ENV.items():
+        value = getattr(args, dest, None)
+        if value is not None:
+            env[var] = ",".join(value) if isinstance(value, list) else str(value)
+    model = env.get("TURBOSPARK_MODEL") or pulling.DEFAULT_MODEL
+    if model in pulling.SOURCES:
+        directory = Path(env.get("TURBOSPARK_MODELS") or pulling.default_models_dir()).expanduser()
+        env["TURBOSPARK_MODEL"] = str(pulling.pull(model, directory))
+    return [sys.executable, "-m", "gunicorn", "-c", str(gunicorn_conf()), WSGI_APP], env
+
+
+def gunicorn_conf():
+    """The repository's gunicorn.conf.py (the package is installed editable from the repository)."""
+    path = Path(__file__).resolve().parent.parent / "gunicorn.conf.py"
+    if not path.is_file():
+        raise pulling.PullError(f"{path} not found: install from a checkout with `pip install -e .`")
+    return path
+
+
+# ---- pull / models --------------------------------------------------------------------------------
+
+def cmd_pull(args):
+    print(pulling.pull(args.name, models_dir(args), progress=not args.quiet))
+
+
+def cmd_models(args):
+    rows = installed_models(models_dir(args))
+    if not rows:
+        print(f"no models in {models_dir(args)}; try `turbospark pull`", file=sys.stderr)
+    for model_id, size, path in rows:
+        print(f"{model_id}\t{size / 2**20:.1f} MiB\t{path}")
+
+
+def installed_models(directory):
+    """[(id, bytes, path)] for each .gguf file and Hugging Face directory in `directory`."""
+    directory = Path(directory)
+    rows = []
+    for path in sorted(directory.iterdir()) if directory.is_dir() else []:
+        if path.is_file() and path.suffix == ".gguf":
+            rows.append((path.stem, path.stat().st_size, path))
+        elif path.is_dir() and (path / "config.json").is_file():
+            rows.append((path.name, sum(f.stat().st_size for f in path.rglob("*") if f.is_file()), path))
+    return rows
+
+
+def resolve_model(name, directory):
+    """A path for `name`: a known name (pulled if missing), a path, or an installed model's id."""
+    if name in pulling.SOURCES:
+        return pulling.pull(name, directory, progress=True)
+    if Path(name).expanduser().exists():
+        return pulling.pull(name, directory)
+    for model_id, _, path in installed_models(directory):
+        if model_id == name:
+            return path
+    return pulling.pull(name, directory)      # raises, naming the known names
+
+
+# ---- check ----------------------------------------------------------------------------------------
+
+def cmd_check(args):
+    from .engine import SamplingParams, load_engine
+
+    engine = load_engine(resolve_model(args.model, models_dir(args)), device=args.device)
+    if args.chat:
+        prompt_ids = engine.apply_chat_template([{"role": "user", "content": args.prompt}])
+    else:
+        prompt_ids = engine.encode(args.prompt, add_bos=True)
+    params = SamplingParams(max_new_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+    result = run_check(engine, prompt_ids, params)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(result["text"])
+        t = result["timings"]
+        print(f"[{result['finish_reason']}; prefill {t['prefill_tokens_per_s']:.1f} tok/s, "
+              f"decode {t['decode_tokens_per_s']:.1f} tok/s]", file=sys.stderr)
+
+
+def run_check(engine, prompt_ids, params):
+    """Drive one generation and time it: prefill ends at the first token."""
+    tokens, texts, finish = [], [], None
+    start = time.perf_counter()
+    first = None
+    for event in engine.generate(prompt_ids, params):
+        kind = type(event).__name__
+        if kind == "Token":
+            first = first or time.perf_counter()
+            tokens.append(event.id)
+            texts.append(event.text)
+        elif kind == "Finish":
+            finish = event
+            texts.append(event.text)
+    end = time.perf_counter()
+    first = first or end
+    decoded = max(len(tokens) - 1, 0)
+    return {
+        "prompt_tokens": list(prompt_ids), "tokens": tokens, "text": "".join(texts),
+        "finish_reason": finish.reason,
+        "timings": {"prefill_s": first - start, "decode_s": end - first,
+                    "prefill_tokens_per_s": len(prompt_ids) / max(first - start, 1e-9),
+                    "decode_tokens_per_s": decoded / max(end - first, 1e-9) if decoded else 0.0},
+    }
