@@ -38,8 +38,7 @@ def test_serve_defaults_pull_the_default_model_and_exec_gunicorn(pulls, tmp_path
     argv, env = serve([], {"TURBOSPARK_MODELS": str(tmp_path)})
     assert argv == [sys.executable, "-m", "gunicorn", "-c", str(REPO / "gunicorn.conf.py"), cli.WSGI_APP]
     assert pulls == [(pulling.DEFAULT_MODEL, tmp_path)]
-    assert env["TURBOSPARK_MODEL"] == str(tmp_path / "SmolLM2-135M-Instruct.Q4_1.gguf")
-    for var in ("TURBOSPARK_HOST", "TURBOSPARK_PORT", "TURBOSPARK_THREADS"):
+    for var in ("TURBOSPARK_MODEL", "TURBOSPARK_HOST", "TURBOSPARK_PORT", "TURBOSPARK_THREADS"):
         assert var not in env                  # config.py's defaults apply
 
 
@@ -56,6 +55,12 @@ def test_serve_flags_become_environment(pulls, tmp_path):
         "TURBOSPARK_MAX_WAITING": "3", "TURBOSPARK_THREADS": "12",
         "TURBOSPARK_WORKER_CLASS": "gevent", "TURBOSPARK_MAX_BODY": "4096",
         "TURBOSPARK_MAX_CONTEXT": "1024", "TURBOSPARK_API_KEYS": "k1,k2"}
+
+
+def test_serve_pulls_a_named_model_and_keeps_the_name_for_the_registry(pulls, tmp_path):
+    _, env = serve(["--model", "smollm2-135m-instruct", "--models-dir", str(tmp_path)])
+    assert pulls == [("smollm2-135m-instruct", tmp_path)]
+    assert env["TURBOSPARK_MODEL"] == "smollm2-135m-instruct"
 
 
 def test_serve_keeps_operator_environment_when_no_flag_overrides_it(pulls):
@@ -90,6 +95,7 @@ def test_models_lists_gguf_files_and_hf_directories(capsys, tmp_path):
     lines = [line.split("\t") for line in capsys.readouterr().out.splitlines()]
     assert [(row[0], row[2]) for row in lines] == [("a", str(tmp_path / "a.gguf")),
                                                    ("hf", str(tmp_path / "hf"))]
+    assert lines[0][1] == "0.0 MiB"
 
 
 def test_module_entry_point_runs():

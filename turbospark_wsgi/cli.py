@@ -104,8 +104,8 @@ def serve_command(args, environ=None):
             env[var] = ",".join(value) if isinstance(value, list) else str(value)
     model = env.get("TURBOSPARK_MODEL") or pulling.DEFAULT_MODEL
     if model in pulling.SOURCES:
-        directory = Path(env.get("TURBOSPARK_MODELS") or pulling.default_models_dir()).expanduser()
-        env["TURBOSPARK_MODEL"] = str(pulling.pull(model, directory))
+        # NOTE(alias): the name stays in TURBOSPARK_MODEL; the registry maps it to the pulled file.
+        pulling.pull(model, Path(env.get("TURBOSPARK_MODELS") or pulling.default_models_dir()).expanduser())
     return [sys.executable, "-m", "gunicorn", "-c", str(gunicorn_conf()), WSGI_APP], env
 
 
@@ -131,28 +131,32 @@ def cmd_models(args):
         print(f"{model_id}\t{size / 2**20:.1f} MiB\t{path}")
 
 
+def _registry(directory, model=pulling.DEFAULT_MODEL):
+    from .config import Config
+    from .registry import Registry
+
+    return Registry(Config(models_dir=str(directory), model=model, load_default=False))
+
+
 def installed_models(directory):
-    """[(id, bytes, path)] for each .gguf file and Hugging Face directory in `directory`."""
-    directory = Path(directory)
+    """[(id, bytes, path)] for each model and alias the server would list from `directory`."""
     rows = []
-    for path in sorted(directory.iterdir()) if directory.is_dir() else []:
-        if path.is_file() and path.suffix == ".gguf":
-            rows.append((path.stem, path.stat().st_size, path))
-        elif path.is_dir() and (path / "config.json").is_file():
-            rows.append((path.name, sum(f.stat().st_size for f in path.rglob("*") if f.is_file()), path))
+    for info in sorted(_registry(directory).list(), key=lambda i: i.id):
+        path = Path(info.path)
+        size = path.stat().st_size if path.is_file() else \
+            sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+        rows.append((info.id, size, path))
     return rows
 
 
 def resolve_model(name, directory):
-    """A path for `name`: a known name (pulled if missing), a path, or an installed model's id."""
+    """A path for `name`: a known name (pulled if missing), an installed id or alias, or a path."""
     if name in pulling.SOURCES:
-        return pulling.pull(name, directory, progress=True)
-    if Path(name).expanduser().exists():
-        return pulling.pull(name, directory)
-    for model_id, _, path in installed_models(directory):
-        if model_id == name:
-            return path
-    return pulling.pull(name, directory)      # raises, naming the known names
+        pulling.pull(name, directory, progress=True)
+    path = _registry(directory, model=name).find(name)
+    if path is None:
+        return pulling.pull(name, directory)      # raises, naming the known names
+    return Path(path)
 
 
 # ---- check ----------------------------------------------------------------------------------------
