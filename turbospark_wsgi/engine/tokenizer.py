@@ -1,0 +1,330 @@
+"""Tokenizers built from GGUF metadata or a Hugging Face directory, and incremental detokenization."""
+import codecs
+import json
+import logging
+import os
+
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as _Backend
+
+log = logging.getLogger(__name__)
+
+# GGUF token types (llama.cpp): 2 unknown, 3 control, 4 user-defined, 6 byte
+_UNKNOWN, _CONTROL, _USER_DEFINED = 2, 3, 4
+
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# tokenizer.ggml.pre -> split regex applied before the byte-level mapping
+_PRE_SPLITS = {
+    "llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "smaug-bpe": _LLAMA3_SPLIT,
+    "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT,
+}
+_DIGITS_FIRST = ("smollm", "starcoder", "refact")   # every numeric char alone, then the GPT-2 regex
+_DEFAULT_PRE = ("default", "gpt2", "gpt-2")
+
+# Token strings that end a turn in common chat formats; stop ids include those present in the vocabulary.
+END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>")
+
+
+def _byte_alphabet():
+    """GPT-2's byte -> printable unicode char table (printable latin-1 bytes map to themselves)."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table, extra = {b: chr(b) for b in kept}, 0
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+_CHAR_TO_BYTE = {c: b for b, c in _byte_alphabet().items()}
+
+
+def _byte_level_bytes(piece):
+    # NOTE(bytes): chars outside the alphabet stand for their own UTF-8, as the ByteLevel decoder does.
+    return b"".join(bytes((_CHAR_TO_BYTE[c],)) if c in _CHAR_TO_BYTE else c.encode() for c in piece)
+
+
+def _spm_bytes(piece):
+    if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+        try:
+            return bytes((int(piece[3:5], 16),))
+        except ValueError:
+            pass
+    return piece.replace("\u2581", " ").encode()
+
+
+_PIECE_BYTES = {"byte_level": _byte_level_bytes, "spm": _spm_bytes}
+
+
+class Tokenizer:
+    """Text <-> token ids for one model, with its special tokens, stop ids and chat template."""
+
+    def __init__(self, backend, *, kind, bos_id=None, eos_id=None, add_bos=False, chat_template=None,
+                 extra_stop_ids=(), strip_leading_space=False, vocab_size=None):
+        self._tk = backend
+        self._kind = kind
+        self._piece_bytes = _PIECE_BYTES[kind]
+        self._strip = strip_leading_space
+        self.bos_id, self.eos_id, self.add_bos = bos_id, eos_id, bool(add_bos)
+        self.chat_template = chat_template or None
+        self.vocab_size = vocab_size or backend.get_vocab_size(with_added_tokens=True)
+        self._special = frozenset(i for i, t in backend.get_added_tokens_decoder().items() if t.special)
+        self._bytes = {}
+        self.stop_ids = self._find_stop_ids(extra_stop_ids)
+
+    # ---- construction
+
+    @classmethod
+    def from_gguf_metadata(cls, meta):
+        """Builds the tokenizer a GGUF file describes (`meta` from `engine.gguf.read_metadata`)."""
+        model = meta.get("tokenizer.ggml.model")
+        if model == "gpt2":
+            backend, kind, strip = _gguf_byte_level(meta), "byte_level", False
+        elif model == "llama":
+            strip = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
+            backend, kind = _gguf_spm(meta, strip), "spm"
+        else:
+            raise ValueError(f"unsupported GGUF tokenizer model {model!r} (supported: 'gpt2', 'llama')")
+        extra = [meta[k] for k in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id") if k in meta]
+        # NOTE(bos): llama.cpp adds BOS to an SPM vocabulary unless the file says otherwise.
+        add_bos = meta.get("tokenizer.ggml.add_bos_token", model == "llama")
+        return cls(backend, kind=kind, bos_id=meta.get("tokenizer.ggml.bos_token_id"),
+                   eos_id=meta.get("tokenizer.ggml.eos_token_id"), add_bos=add_bos,
+                   chat_template=meta.get("tokenizer.chat_template"), extra_stop_ids=extra,
+                   strip_leading_space=strip, vocab_size=len(meta["tokenizer.ggml.tokens"]))
+
+    @classmethod
+    def from_hf_dir(cls, path):
+        """Builds the tokenizer of a Hugging Face model directory (`tokenizer.json` and its configs)."""
+        backend = _Backend.from_file(os.path.join(path, "tokenizer.json"))
+        config = _read_json(os.path.join(path, "tokenizer_config.json"))
+        gen = _read_json(os.path.join(path, "generation_config.json"))
+        kind, strip = _decoder_kind(json.loads(backend.to_str()).get("decoder"))
+        bos_id = _token_id(backend, config.get("bos_token"), gen.get("bos_token_id"))
+        gen_eos = gen.get("eos_token_id")
+        gen_eos = gen_eos if isinstance(gen_eos, list) else [] if gen_eos is None else [gen_eos]
+        eos_id = _token_id(backend, config.get("eos_token"), gen_eos[0] if gen_eos else None)
+        add_bos = config.get("add_bos_token")
+        if add_bos is None:
+            add_bos = _post_processor_adds(backend, bos_id)
+        return cls(backend, kind=kind, bos_id=bos_id, eos_id=eos_id, add_bos=add_bos,
+                   chat_template=_hf_chat_template(path, config), extra_stop_ids=gen_eos,
+                   strip_leading_space=strip)
+
+    def _find_stop_ids(self, extra_ids):
+        ids = {i for i in extra_ids if isinstance(i, int)}
+        if self.eos_id is not None:
+            ids.add(self.eos_id)
+        ids.update(i for i in map(self._tk.token_to_id, END_OF_TURN_TOKENS) if i is not None)
+        return frozenset(ids)
+
+    # ---- encode / decode
+
+    def encode(self, text, add_bos=False):
+        """Token ids of `text`; special-token strings map to their ids. BOS first when asked and known."""
+        ids = self._tk.encode(text, add_special_tokens=False).ids
+        if add_bos and self.bos_id is not None and (not ids or ids[0] != self.bos_id):
+            ids.insert(0, self.bos_id)
+        return ids
+
+    def decode(self, ids, skip_special=True):
+        """Text of `ids`: token bytes joined, invalid UTF-8 replaced by U+FFFD."""
+        # NOTE(decode): byte-level output equals the `tokenizers` ByteLevel decoder. For SPM byte
+        # fallback we decode the joined bytes (as llama.cpp does), so a run of byte tokens with one
+        # bad byte keeps its valid characters where `tokenizers` would replace the whole run.
+        data = b"".join(self.token_bytes(i) for i in ids if not (skip_special and i in self._special))
+        text = data.decode("utf-8", "replace")
+        return text[1:] if self._strip and text.startswith(" ") else text
+
+    def incremental_decoder(self, skip_special=True):
+        """A fresh `IncrementalDecoder` for one generated sequence."""
+        return IncrementalDecoder(self, skip_special)
+
+    # ---- vocabulary
+
+    @property
+    def bos_token(self):
+        return None if self.bos_id is None else self._tk.id_to_token(self.bos_id)
+
+    @property
+    def eos_token(self):
+        return None if self.eos_id is None else self._tk.id_to_token(self.eos_id)
+
+    @property
+    def backend(self):
+        """The wrapped `tokenizers.Tokenizer`."""
+        return self._tk
+
+    def id_to_piece(self, token_id):
+        return self._tk.id_to_token(token_id)
+
+    def piece_to_id(self, piece):
+        return self._tk.token_to_id(piece)
+
+    def is_special(self, token_id):
+        return token_id in self._special
+
+    def token_bytes(self, token_id):
+        """The raw bytes one token stands for (b"" for an id outside the vocabulary)."""
+        data = self._bytes.get(token_id)
+        if data is None:
+            piece = self._tk.id_to_token(token_id) if 0 <= token_id else None
+            data = self._bytes[token_id] = b"" if piece is None else self._piece_bytes(piece)
+        return data
+
+
+class IncrementalDecoder:
+    """Turns generated ids into text deltas whose concatenation (plus `flush`) equals `decode`.
+
+    Each push decodes only the new token's bytes; an incomplete UTF-8 sequence is held back.
+    """
+
+    def __init__(self, tokenizer, skip_special=True):
+        self._tok = tokenizer
+        self._skip = skip_special
+        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+        self._strip = tokenizer._strip
+
+    def push(self, token_id):
+        """Text newly completed by `token_id` (may be empty)."""
+        if self._skip and self._tok.is_special(token_id):
+            return ""
+        return self._emit(self._utf8.decode(self._tok.token_bytes(token_id)))
+
+    def flush(self):
+        """Whatever was held back, with any incomplete tail as U+FFFD."""
+        return self._emit(self._utf8.decode(b"", final=True))
+
+    def _emit(self, text):
+        if self._strip and text:
+            # NOTE(spm-space): the SPM prefix space comes off the first character of the sequence only.
+            self._strip = False
+            if text[0] == " ":
+                text = text[1:]
+        return text
+
+
+# ---- GGUF builders
+
+
+def _special_added_tokens(meta, vocab):
+    types = meta.get("tokenizer.ggml.token_type") or ()
+    tokens = meta["tokenizer.ggml.tokens"]
+    special = [AddedToken(t, special=True, normalized=False)
+               for t, kind in zip(tokens, types) if kind in (_CONTROL, _UNKNOWN) and vocab.get(t) is not None]
+    # NOTE(user-defined): like `<think>`, kept whole but decoded as text (transformers does the same).
+    user = [AddedToken(t, special=False, normalized=False)
+            for t, kind in zip(tokens, types) if kind == _USER_DEFINED]
+    return special, user
+
+
+def _register_added(backend, meta, vocab):
+    special, user = _special_added_tokens(meta, vocab)
+    if special:
+        backend.add_special_tokens(special)
+    if user:
+        backend.add_tokens(user)
+    return backend
+
+
+def _gguf_byte_level(meta):
+    tokens = meta["tokenizer.ggml.tokens"]
+    vocab = {t: i for i, t in enumerate(tokens)}
+    merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", ())]
+    backend = _Backend(models.BPE(vocab, merges))
+    backend.pre_tokenizer = _byte_level_pre(meta.get("tokenizer.ggml.pre", "default"))
+    backend.decoder = decoders.ByteLevel()
+    return _register_added(backend, meta, vocab)
+
+
+def _byte_level_pre(pre):
+    gpt2 = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)   # GPT-2 split, then bytes
+    if pre in _DIGITS_FIRST:
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), gpt2])
+    if pre in _PRE_SPLITS:
+        split = pre_tokenizers.Split(Regex(_PRE_SPLITS[pre]), "isolated")
+        return pre_tokenizers.Sequence([split, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    if pre not in _DEFAULT_PRE:
+        log.warning("unknown GGUF pre-tokenizer %r; using the GPT-2 split", pre)
+    return gpt2
+
+
+def _gguf_spm(meta, add_space_prefix):
+    tokens, scores = meta["tokenizer.ggml.tokens"], meta.get("tokenizer.ggml.scores")
+    vocab = {t: i for i, t in enumerate(tokens)}
+    merges = merges_from_scores(tokens, scores if scores is not None else [-float(i) for i in range(len(tokens))])
+    unk_id = meta.get("tokenizer.ggml.unknown_token_id")
+    unk = tokens[unk_id] if unk_id is not None and 0 <= unk_id < len(tokens) else None
+    backend = _Backend(models.BPE(vocab, merges, unk_token=unk, fuse_unk=True, byte_fallback=True))
+    # NOTE(spm-prefix): "first" prepends U+2581 to the text's start only, as transformers' GGUF
+    # tokenizer does (llama.cpp also prepends after each special token).
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(
+        replacement="\u2581", prepend_scheme="first" if add_space_prefix else "never", split=False)
+    steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    backend.decoder = decoders.Sequence(steps + ([decoders.Strip(" ", 1, 0)] if add_space_prefix else []))
+    return _register_added(backend, meta, vocab)
+
+
+def merges_from_scores(tokens, scores):
+    """BPE merges for an SPM vocabulary: every split of a token into two vocabulary pieces, best
+    resulting-token score first (ties: longer left piece, then longer right piece, then file order)."""
+    index = {t: i for i, t in enumerate(tokens)}
+    found = []
+    for token, score in zip(tokens, scores):
+        pairs = [(token[:k], token[k:]) for k in range(1, len(token))]
+        pairs = sorted((p for p in pairs if p[0] in index and p[1] in index), key=lambda p: (index[p[0]], index[p[1]]))
+        found.extend((score, left, right) for left, right in pairs)
+    found.sort(key=lambda m: (-m[0], -len(m[1]), -len(m[2])))
+    return [(left, right) for _, left, right in found]
+
+
+# ---- Hugging Face directory helpers
+
+
+def _read_json(path):
+    if not os.path.exists(path):
+        return {}
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _decoder_kind(decoder):
+    """("byte_level" | "spm", strip_leading_space) from a tokenizer.json decoder description."""
+    steps = decoder.get("decoders", []) if decoder and decoder.get("type") == "Sequence" else [decoder or {}]
+    types = {d.get("type") for d in steps}
+    if "ByteLevel" in types:
+        return "byte_level", False
+    if types & {"ByteFallback", "Metaspace", "Replace"}:
+        strip = any(d.get("type") == "Strip" and d.get("start", 0) > 0 for d in steps) or any(
+            d.get("type") == "Metaspace" and d.get("prepend_scheme", "always") != "never"
+            and d.get("add_prefix_space", True) for d in steps)
+        return "spm", strip
+    raise ValueError(f"unsupported tokenizer decoder {sorted(t for t in types if t)}")
+
+
+def _token_id(backend, token, fallback_id):
+    if isinstance(token, dict):
+        token = token.get("content")
+    found = backend.token_to_id(token) if isinstance(token, str) else None
+    return found if found is not None else fallback_id
+
+
+def _post_processor_adds(backend, bos_id):
+    with_special = backend.encode("a", add_special_tokens=True).ids
+    plain = backend.encode("a", add_special_tokens=False).ids
+    return bos_id is not None and len(with_special) > len(plain) and with_special[0] == bos_id
+
+
+def _hf_chat_template(path, config):
+    jinja_path = os.path.join(path, "chat_template.jinja")
+    if os.path.exists(jinja_path):
+        with open(jinja_path, encoding="utf-8") as f:
+            return f.read()
+    template = config.get("chat_template") or _read_json(os.path.join(path, "chat_template.json")).get("chat_template")
+    if isinstance(template, list):   # named templates: [{"name": "default", "template": "..."}, ...]
+        named = {t.get("name"): t.get("template") for t in template}
+        template = named.get("default") or next(iter(named.values()), None)
+    return template
