@@ -91,3 +91,12 @@ class EngineError(ApiError):
     status = 500
     type = "server_error"
     anthropic_type = "api_error"
+
+
+class ModelLoadError(ApiError):
+    """An installed model could not be loaded; the message names the model and the problem."""
+
+    status = 500
+    type = "server_error"
+    anthropic_type = "api_error"
+    code = "model_load_failed"

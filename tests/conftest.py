@@ -1,0 +1,141 @@
+"""Shared fixtures: a fake engine with the real Engine API, and a Service/app built around it.
+
+Importable without torch, numpy or a model file.
+"""
+import os
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from turbospark_wsgi.config import Config
+from turbospark_wsgi.engine import Finish, Prefill, Token
+from turbospark_wsgi.registry import Registry
+from turbospark_wsgi.service import Service
+
+BOS, EOS, OFFSET = 1, 2, 3          # token id = byte + OFFSET
+
+
+class FakeEngine:
+    """A byte-level stand-in for `Engine`: replies with `reply`, one byte per decode step.
+
+    Knobs: `step_delay` (s per step), `gate` (a threading.Event every step waits for),
+    `fail_at` (step index that raises), `prefill_delay` (s before the first token).
+    Records every run in `runs` and flags overlapping generations in `overlaps`.
+    """
+
+    backend = "fake"
+    backend_reason = "test double"
+
+    def __init__(self, name="fake", reply="Hello world", max_context=64, step_delay=0.0,
+                 prefill_delay=0.0, gate=None, fail_at=None):
+        self.name = name
+        self.reply = reply
+        self.max_context = max_context
+        self.config = SimpleNamespace(vocab_size=256 + OFFSET, max_seq_len=max_context)
+        self.step_delay, self.prefill_delay = step_delay, prefill_delay
+        self.gate, self.fail_at = gate, fail_at
+        self.runs, self.overlaps, self.closed = [], 0, 0
+        self._active = 0
+
+    def encode(self, text, add_bos):
+        return ([BOS] if add_bos else []) + [b + OFFSET for b in text.encode("utf-8")]
+
+    def decode(self, ids, skip_special=True):
+        return bytes(t - OFFSET for t in ids if t >= OFFSET).decode("utf-8", "replace")
+
+    def apply_chat_template(self, messages, tools=None, add_generation_prompt=True, **kwargs):
+        text = "".join(f"<{m['role']}>{m['content']}" for m in messages)
+        return self.encode(text + ("<assistant>" if add_generation_prompt else ""), add_bos=True)
+
+    def generate(self, prompt_ids, params, should_stop=None):
+        if not prompt_ids or len(prompt_ids) + 1 > self.max_context:
+            raise ValueError("bad prompt length")
+        self.runs.append(SimpleNamespace(ids=list(prompt_ids), params=params, thread=threading.current_thread()))
+        return self._run(list(prompt_ids), params, should_stop or (lambda: False))
+
+    def _run(self, ids, params, should_stop):
+        self._active += 1
+        self.overlaps += self._active > 1
+        try:
+            yield Prefill(done=len(ids), total=len(ids))
+            time.sleep(self.prefill_delay)
+            out = []
+            for i, byte in enumerate(self.reply.encode("utf-8")):
+                if should_stop():
+                    yield Finish("cancelled", prompt_tokens=len(ids), completion_tokens=len(out))
+                    return
+                if len(out) >= params.max_new_tokens:
+                    break
+                self._wait_step(i)
+                out.append(byte)
+                text = bytes(out).decode("utf-8", "ignore")
+                stop = next((s for s in params.stop if s in text), None)
+                if stop is not None:
+                    yield Finish("stop", stop_string=stop, prompt_tokens=len(ids), completion_tokens=len(out))
+                    return
+                yield Token(id=byte + OFFSET, text=chr(byte) if byte < 128 else "")
+            reason = "length" if len(out) >= params.max_new_tokens else "stop"
+            yield Finish(reason, prompt_tokens=len(ids), completion_tokens=len(out))
+        finally:
+            self._active -= 1
+            self.closed += 1
+
+    def _wait_step(self, i):
+        if self.gate is not None:
+            self.gate.wait(10)
+        if self.step_delay:
+            time.sleep(self.step_delay)
+        if self.fail_at == i:
+            raise RuntimeError("internal detail: step exploded")
+
+
+class Harness:
+    """A models dir with fake model files, a fake loader, a real Registry/Service, and apps."""
+
+    def __init__(self, root, **config):
+        self.root = root
+        for name in ("fake", "other"):
+            (root / f"{name}.gguf").write_bytes(b"GGUF")
+        self.engines = {}           # model id -> FakeEngine (created on demand)
+        self.loads = []
+        settings = dict(models_dir=str(root), model="fake", load_default=False, keepalive=0.05)
+        settings.update(config)
+        self.config = Config(**settings)
+        self.registry = Registry(self.config, loader=self.load)
+        self.service = Service(self.config, self.registry)
+
+    def engine(self, name="fake", **kw):
+        if name not in self.engines or kw:
+            self.engines[name] = FakeEngine(name=name, **kw)
+        return self.engines[name]
+
+    def load(self, path, device="auto", name=None, max_context=0, prefill_chunk=256):
+        self.loads.append(path)
+        if os.path.basename(path).startswith("broken"):
+            raise ValueError("unsupported tensor type Q3_XX in blk.0.attn_q.weight")
+        return self.engine(name)
+
+    def app(self):
+        from turbospark_wsgi.app import create_app
+        return create_app(self.config, service=self.service)
+
+    def client(self):
+        import webtest
+        return webtest.TestApp(self.app())
+
+
+@pytest.fixture
+def harness(tmp_path):
+    return Harness(tmp_path)
+
+
+@pytest.fixture
+def make_harness(tmp_path_factory):
+    return lambda **config: Harness(tmp_path_factory.mktemp("models"), **config)
+
+
+@pytest.fixture
+def client(harness):
+    return harness.client()

@@ -1,0 +1,96 @@
+"""The Falcon app factory: media handlers, middleware, the route table and the error envelopes."""
+import functools
+import json
+import logging
+
+import falcon
+import falcon.media
+
+from .config import Config
+from .errors import (ApiError, EngineError, InvalidRequest, MethodNotAllowed, NotFound, PayloadTooLarge,
+                     Unauthorized, UnsupportedMediaType)
+from .middleware import ApiKeyAuth, BodyLimit, RequestContext, request_id
+from .resources.completions import Completions
+from .resources.health import Health
+from .resources.models import Model, Models
+from .schemas import common, openai
+from .service import Service
+
+log = logging.getLogger("turbospark.app")
+
+_FROM_STATUS = {400: InvalidRequest, 401: Unauthorized, 404: NotFound, 405: MethodNotAllowed,
+                413: PayloadTooLarge, 415: UnsupportedMediaType}
+
+
+def create_app(config=None, service=None):
+    """Builds the WSGI app.
+
+    `config`: a `Config` (default `Config()`; `wsgi.py` passes `Config.from_env()`).
+    `service`: a `Service` to use (tests inject one built on a fake registry); by default one is
+    built from `config`. When `config.load_default` is true the default model starts loading on
+    a background thread at once, so call this in the worker process (gunicorn `preload_app=False`);
+    `/health` answers 503 until the model is loaded.
+    """
+    config = config or Config()
+    service = service or Service(config)
+    app = falcon.App(middleware=[RequestContext(), ApiKeyAuth(config.api_keys), BodyLimit(config.max_body)])
+    app.req_options.strip_url_path_trailing_slash = True
+    json_handler = falcon.media.JSONHandler(dumps=functools.partial(
+        json.dumps, ensure_ascii=False, separators=(",", ":")))
+    app.resp_options.media_handlers[falcon.MEDIA_JSON] = json_handler
+    add_routes(app, service, config)
+    app.add_error_handler(Exception, _handle_unexpected)
+    app.add_error_handler(falcon.HTTPError, _handle_http_error)
+    app.add_error_handler(ApiError, _handle_api_error)
+    if config.load_default:
+        service.start_loading()
+    return app
+
+
+def add_routes(app, service, config):
+    """The route table: the only place a path is bound to a resource."""
+    app.add_route("/v1/completions", Completions(service, config.max_body))
+    app.add_route("/v1/models", Models(service))
+    app.add_route("/v1/models/{model_id:path}", Model(service))
+    app.add_route("/health", Health(service))
+
+
+def envelope_for(path):
+    """The error body builder for a route family: Anthropic under /v1/messages, else OpenAI."""
+    return common.anthropic_error_body if path.startswith("/v1/messages") else openai.error_body
+
+
+def _handle_api_error(req, resp, ex, params):
+    resp.status = ex.status
+    resp.set_headers(ex.headers)
+    resp.content_type = falcon.MEDIA_JSON
+    resp.media = envelope_for(req.path)(ex)
+
+
+def _handle_http_error(req, resp, ex, params):
+    _handle_api_error(req, resp, from_http_error(req, ex), params)
+
+
+def _handle_unexpected(req, resp, ex, params):
+    rid = request_id(req)
+    log.error("unhandled error [request %s] %s %s", rid, req.method, req.path, exc_info=ex)
+    _handle_api_error(req, resp, EngineError(
+        f"The server had an error while processing your request (request id {rid})"), params)
+
+
+def from_http_error(req, ex):
+    """A falcon.HTTPError (routing, headers, media) as the ApiError with the same status."""
+    status = ex.status_code
+    if status == 404:
+        message = f"Unknown route: {req.method} {req.path}"
+    elif status == 405:
+        message = f"Method {req.method} is not allowed for {req.path}"
+    else:
+        message = ": ".join(p for p in (ex.title, ex.description) if p)
+    cls = _FROM_STATUS.get(status)
+    if cls is None:
+        err = ApiError(message, headers=ex.headers)
+        err.status = status
+        err.type = "invalid_request_error" if status < 500 else "server_error"
+        return err
+    return cls(message, headers=ex.headers)

@@ -1,0 +1,119 @@
+"""Server settings: one dataclass, read from the environment (`TURBOSPARK_*`) or built directly."""
+import os
+from dataclasses import dataclass, field, fields
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+DEVICES = ("auto", "cpu", "cuda")
+WORKER_CLASSES = ("gthread", "gevent")
+
+
+class ConfigError(ValueError):
+    """An environment variable holds a value the server cannot use; the message names it."""
+
+
+@dataclass(slots=True)
+class Config:
+    """Everything the app, the service and `gunicorn.conf.py` need to know.
+
+    `Config()` gives the defaults; `Config.from_env()` reads `TURBOSPARK_*` variables:
+    MODELS (models dir), MODEL (default model id, alias or path), DEVICE (auto|cpu|cuda),
+    MAX_WAITING (queued requests before 503), QUEUE_TIMEOUT (s, 0 = wait forever),
+    MAX_BODY (bytes), MAX_CONTEXT (tokens, 0 = the model's), KEEPALIVE (s between SSE comments),
+    API_KEYS (comma list; empty = open), HOST, PORT, THREADS (0 = max_waiting + 8),
+    WORKER_CLASS (gthread|gevent), PREFILL_CHUNK (tokens per prefill step).
+    """
+
+    models_dir: str = os.path.expanduser("~/.cache/turbospark/models")
+    model: str = DEFAULT_MODEL
+    device: str = "auto"
+    max_waiting: int = 16
+    queue_timeout: float = 0.0
+    max_body: int = 4 * 1024 * 1024
+    max_context: int = 0
+    keepalive: float = 15.0
+    api_keys: tuple = ()
+    host: str = "127.0.0.1"
+    port: int = 8000
+    threads: int = 0
+    worker_class: str = "gthread"
+    prefill_chunk: int = 256
+    load_default: bool = field(default=True)   # start loading the default model when the app is built
+
+    def __post_init__(self):
+        _check_choice("device", self.device, DEVICES)
+        _check_choice("worker_class", self.worker_class, WORKER_CLASSES)
+        for name in ("max_waiting", "max_context", "threads"):
+            _check_range(name, getattr(self, name), 0)
+        for name in ("max_body", "port", "prefill_chunk"):
+            _check_range(name, getattr(self, name), 1)
+        _check_range("queue_timeout", self.queue_timeout, 0)
+        if not self.keepalive > 0:
+            raise ConfigError(f"keepalive must be > 0 seconds, got {self.keepalive!r}")
+        if not self.threads:
+            self.threads = self.max_waiting + 8
+        self.api_keys = tuple(self.api_keys)
+
+    @classmethod
+    def from_env(cls, environ=os.environ):
+        """Builds a Config from `TURBOSPARK_*` variables; unset or empty ones keep their defaults."""
+        kw = {}
+        for f in fields(cls):
+            raw = environ.get("TURBOSPARK_" + _ENV_NAMES.get(f.name, f.name.upper()), "").strip()
+            if raw:
+                kw[f.name] = _parse(f.name, raw)
+        return cls(**kw)
+
+    @property
+    def auth_enabled(self):
+        return bool(self.api_keys)
+
+
+_ENV_NAMES = {"models_dir": "MODELS"}
+_INTS = {"max_waiting", "max_body", "max_context", "port", "threads", "prefill_chunk"}
+_FLOATS = {"queue_timeout", "keepalive"}
+
+
+def _parse(name, raw):
+    if name == "models_dir":
+        return os.path.expanduser(raw)
+    if name == "api_keys":
+        return tuple(k.strip() for k in raw.split(",") if k.strip())
+    if name == "load_default":
+        return _parse_bool(name, raw)
+    if name in _INTS:
+        return _parse_number(name, raw, int)
+    if name in _FLOATS:
+        return _parse_number(name, raw, float)
+    return raw.lower() if name in ("device", "worker_class") else raw
+
+
+def _parse_number(name, raw, kind):
+    try:
+        value = kind(raw)
+    except ValueError:
+        raise ConfigError(f"{_env(name)} must be {'an integer' if kind is int else 'a number'}, got {raw!r}") from None
+    if kind is float and value != value:
+        raise ConfigError(f"{_env(name)} must be a number, got {raw!r}")
+    return value
+
+
+def _parse_bool(name, raw):
+    if raw.lower() in ("1", "true", "yes", "on"):
+        return True
+    if raw.lower() in ("0", "false", "no", "off"):
+        return False
+    raise ConfigError(f"{_env(name)} must be true or false, got {raw!r}")
+
+
+def _check_choice(name, value, choices):
+    if value not in choices:
+        raise ConfigError(f"{_env(name)} must be one of {', '.join(choices)}, got {value!r}")
+
+
+def _check_range(name, value, lo):
+    if not value >= lo or value == float("inf"):
+        raise ConfigError(f"{_env(name)} must be >= {lo}, got {value!r}")
+
+
+def _env(name):
+    return "TURBOSPARK_" + _ENV_NAMES.get(name, name.upper())

@@ -1,0 +1,158 @@
+"""Request id, API keys, body size limit and the access log; `read_json` for request bodies."""
+import hmac
+import json
+import logging
+import re
+import secrets
+import time
+
+from .errors import InvalidRequest, PayloadTooLarge, Unauthorized, UnsupportedMediaType
+from .sse import SSEStream
+
+access_log = logging.getLogger("turbospark.access")
+
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
+_JSON_TYPES = ("application/json",)
+_READ_BLOCK = 64 * 1024
+
+
+class RequestContext:
+    """Gives each request an id (a valid `x-request-id` is kept), echoes it, and logs one line."""
+
+    def process_request(self, req, resp):
+        given = req.get_header("x-request-id")
+        req.context.request_id = given if given and _REQUEST_ID.fullmatch(given) else new_request_id()
+        req.context.started = time.monotonic()
+        req.context.generation = None
+
+    def process_response(self, req, resp, resource, req_succeeded):
+        resp.set_header("x-request-id", request_id(req))
+        if isinstance(resp.stream, SSEStream):
+            resp.stream.add_close_callback(lambda: log_access(req, resp))
+        else:
+            log_access(req, resp)
+
+
+class ApiKeyAuth:
+    """`Authorization: Bearer KEY` or `x-api-key: KEY` against the configured keys; /health is open."""
+
+    def __init__(self, keys, open_paths=("/health",)):
+        self._keys = [k.encode("utf-8") for k in keys]
+        self._open = frozenset(open_paths)
+
+    def process_request(self, req, resp):
+        if not self._keys or req.path in self._open:
+            return
+        given = _bearer(req.get_header("Authorization")) or req.get_header("x-api-key")
+        if not given:
+            raise Unauthorized("Missing API key: send 'Authorization: Bearer KEY' or 'x-api-key: KEY'",
+                               headers={"WWW-Authenticate": "Bearer"})
+        given = given.encode("utf-8")
+        matched = False
+        for key in self._keys:                  # NOTE(timing): compare against every key, no early exit
+            matched |= hmac.compare_digest(given, key)
+        if not matched:
+            raise Unauthorized("Incorrect API key provided", headers={"WWW-Authenticate": "Bearer"})
+
+
+class BodyLimit:
+    """Refuses a declared Content-Length over the limit before anything is read (413)."""
+
+    def __init__(self, limit):
+        self._limit = limit
+
+    def process_request(self, req, resp):
+        length = req.content_length
+        if length is not None and length > self._limit:
+            raise too_large(length, self._limit)
+
+
+def read_json(req, limit):
+    """The request body as decoded JSON, read with a size limit (chunked bodies too).
+
+    415 for a non-JSON Content-Type, 413 over `limit`, 400 for an empty, non-UTF-8 or malformed body.
+    """
+    media = (req.content_type or "").split(";")[0].strip().lower()
+    if media and media not in _JSON_TYPES and not media.endswith("+json"):
+        raise UnsupportedMediaType(f"Content-Type must be application/json, got '{media}'")
+    raw = _read_body(req, limit)
+    if not raw.strip():
+        raise InvalidRequest("The request body is empty; send a JSON object")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise InvalidRequest(f"The request body is not valid UTF-8 (byte {e.start})") from None
+    try:
+        return json.loads(text, parse_constant=_refuse_constant)
+    except (ValueError, RecursionError) as e:
+        raise InvalidRequest(f"Invalid JSON body: {_short(e)}") from None
+
+
+def _read_body(req, limit):
+    length = req.content_length
+    if length is not None:
+        if length > limit:
+            raise too_large(length, limit)
+        return req.bounded_stream.read()
+    if "chunked" not in (req.get_header("Transfer-Encoding") or "").lower():
+        return b""
+    # NOTE(chunked): Falcon bounds reads by Content-Length and reads a chunked body as empty; the
+    # server de-chunks `wsgi.input`, so read it directly, one block past the limit at most.
+    parts, size = [], 0
+    while size <= limit:
+        block = req.stream.read(min(_READ_BLOCK, limit + 1 - size))
+        if not block:
+            break
+        parts.append(block)
+        size += len(block)
+    if size > limit:
+        raise too_large(size, limit, at_least=True)
+    return b"".join(parts)
+
+
+def too_large(size, limit, at_least=False):
+    what = f"at least {size}" if at_least else str(size)
+    return PayloadTooLarge(f"The request body is too large ({what} bytes; the limit is {limit})")
+
+
+def _refuse_constant(name):
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def _short(exc):
+    text = "nesting too deep" if isinstance(exc, RecursionError) else str(exc)
+    return text if len(text) <= 200 else text[:200] + "..."
+
+
+def _bearer(header):
+    if header and header[:7].lower() == "bearer ":
+        return header[7:].strip()
+    return None
+
+
+def new_request_id():
+    return "req-" + secrets.token_hex(12)
+
+
+def request_id(req):
+    return getattr(req.context, "request_id", None) or "-"
+
+
+def log_access(req, resp):
+    ctx = req.context
+    gen = getattr(ctx, "generation", None)
+    elapsed = (time.monotonic() - getattr(ctx, "started", time.monotonic())) * 1000
+    fields = [request_id(req), f'"{req.method} {req.path}"', resp.status_code, f"{elapsed:.1f}ms"]
+    if gen is not None:
+        usage = gen.usage
+        fields += [f"model={gen.model_id}",
+                   f"prompt_tokens={usage.prompt_tokens if usage else '-'}",
+                   f"completion_tokens={usage.completion_tokens if usage else '-'}",
+                   f"queue_ms={_ms(gen.enqueued_at, gen.started_at)}",
+                   f"ttft_ms={_ms(gen.enqueued_at, gen.first_token_at)}",
+                   f"finish={gen.finish_reason or '-'}"]
+    access_log.info(" ".join(str(f) for f in fields))
+
+
+def _ms(start, end):
+    return "-" if start is None or end is None else f"{(end - start) * 1000:.1f}"

@@ -1,0 +1,148 @@
+"""The process-wide FIFO lock queue: one generation runs, up to `max_waiting` wait in ticket order.
+
+    ticket = queue.enqueue(cancel)          # Overloaded (503 + Retry-After) when the queue is full
+    while not ticket.wait(keepalive):       # True: this ticket holds the lock
+        if ticket.left: return              # cancelled while queued
+        yield keep_alive
+    ...                                     # run
+    ticket.release()                        # idempotent; wakes the next waiter
+
+Built on `threading.Condition`, created on first use so that under gevent it is made after
+monkey-patching (a cooperative lock); tests use real threads.
+"""
+import contextlib
+import threading
+import time
+from collections import deque
+
+from .errors import Overloaded
+
+_WAITING, _HOLDING, _DONE = "waiting", "holding", "done"
+_guard = threading.Lock()   # NOTE(fork): only guards the lazy creation below, never held across a switch
+
+
+class Cancelled(Exception):
+    """The request was cancelled while it waited for its turn."""
+
+
+class Ticket:
+    __slots__ = ("_queue", "_state", "_deadline", "enqueued_at", "acquired_at")
+
+    def __init__(self, queue, deadline):
+        self._queue = queue
+        self._state = _WAITING
+        self._deadline = deadline
+        self.enqueued_at = time.monotonic()
+        self.acquired_at = None
+
+    @property
+    def holding(self):
+        return self._state == _HOLDING
+
+    @property
+    def left(self):
+        """True once the ticket is released (cancelled while queued, or finished)."""
+        return self._state == _DONE
+
+    def wait(self, timeout=None):
+        """Waits up to `timeout` s for the lock. True: held. False: not yet, or `left`.
+
+        Raises Overloaded (and leaves the queue) when the queue's wait timeout has passed.
+        """
+        return self._queue._wait(self, timeout)
+
+    def release(self):
+        """Leaves the queue or gives up the lock; idempotent."""
+        self._queue._release(self)
+
+    def abandon(self):
+        """Leaves the queue if still waiting; a holder keeps the lock until it releases it."""
+        self._queue._release(self, only_waiting=True)
+
+
+class LockQueue:
+    """FIFO ticket lock with a bound on waiters and an optional wait timeout (0 = none)."""
+
+    def __init__(self, max_waiting=16, timeout=0.0, retry_after=1):
+        self.max_waiting = max_waiting
+        self.timeout = timeout
+        self.retry_after = retry_after
+        self._cond = None
+        self._tickets = deque()     # the head owns the lock; the rest wait in order
+
+    @property
+    def depth(self):
+        """Requests waiting for their turn (not counting the one running)."""
+        return max(len(self._tickets) - 1, 0)
+
+    @property
+    def running(self):
+        """1 while a ticket holds (or is about to take) the lock, else 0."""
+        return 1 if self._tickets else 0
+
+    def enqueue(self, cancel=None):
+        """A new ticket at the back of the queue; Overloaded when `max_waiting` are already waiting."""
+        with self._condition():
+            if self._tickets and self.depth >= self.max_waiting:
+                raise Overloaded(f"the server is busy: {self.depth} requests are already waiting",
+                                 retry_after=self.retry_after)
+            deadline = time.monotonic() + self.timeout if self.timeout else None
+            ticket = Ticket(self, deadline)
+            self._tickets.append(ticket)
+        if cancel is not None:
+            cancel.on_cancel(ticket.abandon)
+        return ticket
+
+    @contextlib.contextmanager
+    def slot(self, cancel=None, timeout=None):
+        """Holds the lock for the `with` body. Raises Cancelled if `cancel` fires while queued,
+        Overloaded if the queue is full or `timeout` (default: the queue's) passes first."""
+        ticket = self.enqueue(cancel)
+        if timeout is not None:
+            ticket._deadline = time.monotonic() + timeout if timeout else None
+        try:
+            if not ticket.wait(None):
+                raise Cancelled("cancelled while queued")
+            yield ticket
+        finally:
+            ticket.release()
+
+    def _condition(self):
+        if self._cond is None:
+            with _guard:
+                if self._cond is None:
+                    self._cond = threading.Condition()
+        return self._cond
+
+    def _wait(self, ticket, timeout):
+        end = None if timeout is None else time.monotonic() + timeout
+        with self._condition():
+            while True:
+                if ticket._state != _WAITING:
+                    return ticket._state == _HOLDING
+                if self._tickets[0] is ticket:
+                    ticket._state, ticket.acquired_at = _HOLDING, time.monotonic()
+                    return True
+                now = time.monotonic()
+                if ticket._deadline is not None and now >= ticket._deadline:
+                    self._drop(ticket)
+                    raise Overloaded("timed out waiting for a free slot", retry_after=self.retry_after)
+                limits = [x for x in (end, ticket._deadline) if x is not None]
+                limit = min(limits) if limits else None
+                if limit is not None and now >= limit:
+                    return False
+                self._cond.wait(None if limit is None else limit - now)
+
+    def _release(self, ticket, only_waiting=False):
+        with self._condition():
+            if ticket._state == _DONE or (only_waiting and ticket._state != _WAITING):
+                return
+            self._drop(ticket)
+
+    def _drop(self, ticket):
+        ticket._state = _DONE
+        try:
+            self._tickets.remove(ticket)
+        except ValueError:
+            pass
+        self._cond.notify_all()

@@ -1,0 +1,65 @@
+"""HTTP resources, one module per endpoint family, plus the few steps every generation route shares:
+
+    events, watcher = begin(service, req, gen)        # admission errors raise here, before any byte
+    stream_response(resp, frames, events, watcher, error_event)   # or:
+    text, finished = finish(events, watcher)          # finished is None: the client left
+"""
+import logging
+
+from ..cancel import CancelToken, DisconnectWatcher
+from ..errors import ApiError, EngineError
+from ..middleware import request_id
+from ..service import collect
+from ..sse import SSEStream
+
+log = logging.getLogger("turbospark.http")
+
+SSE_CONTENT_TYPE = "text/event-stream; charset=utf-8"
+SSE_HEADERS = {"Cache-Control": "no-cache, no-transform", "X-Accel-Buffering": "no"}
+CLIENT_CLOSED = 499     # nginx's code for "client closed request"; nobody reads the body
+
+
+def begin(service, req, gen):
+    """Admits `gen` (eagerly) and starts a disconnect watcher on the client socket."""
+    gen.request_id = request_id(req)
+    cancel = CancelToken()
+    events = service.run(gen, cancel)
+    req.context.generation = events
+    return events, DisconnectWatcher(req.env, cancel).start()
+
+
+def finish(events, watcher):
+    """Drains a non-streaming generation; always closes it and stops the watcher."""
+    try:
+        return collect(events)
+    finally:
+        events.close()
+        watcher.stop()
+
+
+def stream_response(resp, frames, events, watcher, error_event):
+    """Sends `frames` as SSE; a mid-stream exception becomes `error_event(ApiError)`."""
+    rid = events.request_id
+
+    def on_error(exc):
+        return error_event(as_api_error(exc, rid))
+
+    def on_close():
+        events.close()
+        watcher.stop()
+
+    resp.content_type = SSE_CONTENT_TYPE
+    resp.set_headers(SSE_HEADERS)
+    resp.stream = SSEStream(frames, on_error, on_close)
+
+
+def client_gone(resp):
+    resp.status = CLIENT_CLOSED
+    resp.media = None
+
+
+def as_api_error(exc, rid):
+    if isinstance(exc, ApiError):
+        return exc
+    log.error("stream failed [request %s]", rid, exc_info=exc)
+    return EngineError(f"The server had an error while generating (request id {rid})")

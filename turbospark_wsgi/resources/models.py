@@ -1,0 +1,22 @@
+"""GET /v1/models and /v1/models/{model_id}: installed models and aliases, OpenAI list shape."""
+from ..errors import ModelNotFound
+from ..schemas import openai
+
+
+class Models:
+    def __init__(self, service):
+        self._service = service
+
+    def on_get(self, req, resp):
+        resp.media = openai.model_list(self._service.models())
+
+
+class Model:
+    def __init__(self, service):
+        self._service = service
+
+    def on_get(self, req, resp, model_id):
+        info = next((i for i in self._service.models() if i.id == model_id), None)
+        if info is None:
+            raise ModelNotFound(f"The model '{model_id}' does not exist or is not installed", param="model")
+        resp.media = openai.model_object(info)

@@ -1,0 +1,1 @@
+"""Wire formats: JSON in -> GenerationRequest out; response bodies and stream frames out."""

@@ -1,0 +1,126 @@
+"""Field checkers shared by the API schemas; each refusal is an InvalidRequest naming its param."""
+import math
+
+from ..errors import InvalidRequest
+
+INT_LIMIT = 2 ** 63           # bigger integers are refused before they reach arithmetic
+
+
+def type_name(value):
+    """The JSON name of a decoded value's type, for error messages."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    return {int: "integer", float: "number", str: "string", list: "array", dict: "object"}.get(
+        type(value), type(value).__name__)
+
+
+def wrong_type(name, expected, value):
+    return InvalidRequest(f"Invalid type for '{name}': expected {expected}, but got {type_name(value)}.",
+                          param=name)
+
+
+def expect_object(doc, name=None):
+    if not isinstance(doc, dict):
+        where = f"'{name}'" if name else "The request body"
+        raise InvalidRequest(f"{where} must be a JSON object, got {type_name(doc)}", param=name)
+    return doc
+
+
+def opt_str(doc, name, default=None, max_len=None):
+    value = doc.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, str):
+        raise wrong_type(name, "a string", value)
+    if max_len is not None and len(value) > max_len:
+        raise InvalidRequest(f"'{name}' is too long ({len(value)} characters, at most {max_len})", param=name)
+    return value
+
+
+def opt_bool(doc, name, default=False):
+    value = doc.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise wrong_type(name, "a boolean", value)
+    return value
+
+
+def is_int(value):
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def opt_int(doc, name, default=None, lo=None, hi=None):
+    value = doc.get(name)
+    if value is None:
+        return default
+    if not is_int(value):
+        raise wrong_type(name, "an integer", value)
+    _check_range(name, value, lo, hi)
+    return value
+
+
+def opt_number(doc, name, default=None, lo=None, hi=None):
+    value = doc.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise wrong_type(name, "a number", value)
+    if not math.isfinite(value) or abs(value) >= INT_LIMIT:
+        raise InvalidRequest(f"'{name}' must be a finite number, got {value!r}", param=name)
+    _check_range(name, value, lo, hi)
+    return float(value)
+
+
+def _check_range(name, value, lo, hi):
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        if lo is not None and hi is not None:
+            bounds = f"between {lo} and {hi}"
+        else:
+            bounds = f">= {lo}" if lo is not None else f"<= {hi}"
+        raise InvalidRequest(f"'{name}' must be {bounds}, got {value}", param=name)
+
+
+def stop_strings(doc, name="stop", max_items=16, max_len=1024):
+    """`stop`: a string or a list of strings (empty strings dropped) -> tuple."""
+    value = doc.get(name)
+    if value is None:
+        return ()
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
+        raise wrong_type(name, "a string or an array of strings", value)
+    if len(items) > max_items:
+        raise InvalidRequest(f"'{name}' may hold at most {max_items} strings, got {len(items)}", param=name)
+    if any(len(s) > max_len for s in items):
+        raise InvalidRequest(f"each '{name}' string may be at most {max_len} characters", param=name)
+    return tuple(dict.fromkeys(s for s in items if s))
+
+
+def seed_value(doc, name="seed"):
+    """An integer seed (any 64-bit value, negative ones folded into range) or None."""
+    value = opt_int(doc, name, None, -INT_LIMIT, 2 ** 64 - 1)
+    return None if value is None else value % 2 ** 64
+
+
+def logit_bias(doc, name="logit_bias", max_items=1024):
+    """{"token id": bias} with biases in [-100, 100] -> {int: float}."""
+    value = doc.get(name)
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise wrong_type(name, "an object mapping token ids to numbers", value)
+    if len(value) > max_items:
+        raise InvalidRequest(f"'{name}' may hold at most {max_items} entries, got {len(value)}", param=name)
+    out = {}
+    for key, bias in value.items():
+        if not (key.isascii() and key.isdigit() and len(key) <= 12):
+            raise InvalidRequest(f"'{name}' keys must be token ids, got {key!r}", param=name)
+        out[int(key)] = opt_number({name: bias}, name, 0.0, -100, 100)
+    return out
+
+
+def anthropic_error_body(exc):
+    """Anthropic's error envelope for an ApiError."""
+    return {"type": "error", "error": {"type": exc.anthropic_type, "message": exc.message}}

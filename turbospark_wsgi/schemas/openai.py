@@ -1,0 +1,208 @@
+"""OpenAI wire format: /v1/completions requests and responses, plus the helpers every OpenAI
+route shares (ids, usage, error envelope, model objects, sampling fields)."""
+import secrets
+import time
+from dataclasses import dataclass
+
+from .. import sse
+from ..engine import SamplingParams
+from ..errors import InvalidRequest
+from ..service import Finished, GenerationRequest, KeepAlive, TextDelta
+from .common import (expect_object, is_int, logit_bias, opt_bool, opt_int, opt_number, opt_str, seed_value,
+                     stop_strings, type_name)
+
+DEGRADATION_HEADER = "x-anyllm-degradation"
+MAX_TOKENS_LIMIT = 2 ** 31 - 1
+TOKEN_ID_LIMIT = 2 ** 31
+
+# NOTE(degradations): fields /v1/completions accepts but does not honour yet, each with the test
+# that decides whether a request used it. This list is the one place to shrink when one is honoured.
+COMPLETION_DEGRADATIONS = (
+    ("logprobs", lambda doc: "logprobs" in doc),
+    ("best_of", lambda doc: "best_of" in doc),
+    ("echo", lambda doc: doc.get("echo") is True),
+)
+
+
+@dataclass(slots=True)
+class ResponseMeta:
+    id: str
+    created: int
+    model: str
+    include_usage: bool = False
+
+
+def new_id(prefix="cmpl-"):
+    return prefix + secrets.token_hex(12)
+
+
+def response_meta(prefix, model, include_usage=False):
+    return ResponseMeta(new_id(prefix), int(time.time()), model, include_usage)
+
+
+# ---- requests -------------------------------------------------------------------------------
+
+def parse_completion(doc):
+    """A /v1/completions body -> (GenerationRequest, [degraded field names])."""
+    expect_object(doc)
+    if doc.get("suffix") is not None:
+        raise InvalidRequest("suffix (fill-in-the-middle) is not supported", param="suffix")
+    n = opt_int(doc, "n", 1, lo=1, hi=MAX_TOKENS_LIMIT)
+    if n > 1:
+        raise InvalidRequest(f"n must be 1, got {n}", param="n")
+    max_tokens = opt_int(doc, "max_tokens", 16, hi=MAX_TOKENS_LIMIT)
+    if max_tokens <= 0:
+        raise InvalidRequest("max_tokens must be greater than 0", param="max_tokens")
+    params = sampling_params(doc, max_tokens)
+    _check_degraded_types(doc)
+    prompt, prompt_ids = _single_prompt(doc)
+    stream = opt_bool(doc, "stream", False)
+    req = GenerationRequest(model=model_name(doc), prompt=prompt, prompt_ids=prompt_ids,
+                            add_bos=prompt_ids is None, max_tokens=max_tokens, params=params,
+                            stream=stream, include_usage=stream and _include_usage(doc),
+                            echo=opt_bool(doc, "echo", False), logprobs=doc.get("logprobs"))
+    return req, completion_degradations(doc)
+
+
+def completion_degradations(doc):
+    return [name for name, used in COMPLETION_DEGRADATIONS if used(doc)]
+
+
+def model_name(doc):
+    name = opt_str(doc, "model", None, max_len=4096)
+    if name is not None and not name.strip():
+        raise InvalidRequest("'model' must not be empty", param="model")
+    return name
+
+
+def sampling_params(doc, max_tokens):
+    """The OpenAI sampling fields -> SamplingParams (shared by completions and chat)."""
+    temperature = opt_number(doc, "temperature", 1.0, 0, 2)
+    top_p = opt_number(doc, "top_p", 1.0, 0, 1)
+    if top_p == 0:
+        top_p, temperature = 1.0, 0.0       # NOTE(top_p): keeping no mass means keeping the top token
+    top_k = opt_int(doc, "top_k", 0, lo=-1, hi=TOKEN_ID_LIMIT)
+    return SamplingParams(
+        max_new_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=max(top_k, 0),
+        min_p=opt_number(doc, "min_p", 0.0, 0, 1),
+        repetition_penalty=_repetition_penalty(doc),
+        presence_penalty=opt_number(doc, "presence_penalty", 0.0, -2, 2),
+        frequency_penalty=opt_number(doc, "frequency_penalty", 0.0, -2, 2),
+        logit_bias=logit_bias(doc), seed=seed_value(doc), stop=stop_strings(doc))
+
+
+def _repetition_penalty(doc):
+    value = opt_number(doc, "repetition_penalty", 1.0, 0, 10)
+    if value <= 0:
+        raise InvalidRequest("'repetition_penalty' must be greater than 0", param="repetition_penalty")
+    return value
+
+
+def _include_usage(doc):
+    options = doc.get("stream_options")
+    if options is None:
+        return False
+    expect_object(options, "stream_options")
+    return opt_bool(options, "include_usage", False)
+
+
+def _check_degraded_types(doc):
+    opt_int(doc, "logprobs", None, lo=0, hi=20)
+    opt_int(doc, "best_of", None, lo=1, hi=20)
+    opt_bool(doc, "echo", False)
+
+
+_PROMPT_SHAPES = ("a string, an array of one string, an array of token ids, "
+                  "or an array of one array of token ids")
+
+
+def _single_prompt(doc):
+    """(text, None) or (None, token ids): one prompt per request, as the original server."""
+    value = doc.get("prompt")
+    if value is None:
+        raise InvalidRequest("'prompt' is required", param="prompt")
+    if isinstance(value, str):
+        return value, None
+    if not isinstance(value, list):
+        raise InvalidRequest(f"'prompt' must be {_PROMPT_SHAPES}, got {type_name(value)}", param="prompt")
+    if value and all(is_int(t) for t in value):
+        return None, _token_ids(value)
+    if len(value) != 1:
+        raise InvalidRequest(f"this server accepts exactly one prompt per request, got {len(value)}",
+                             param="prompt")
+    only = value[0]
+    if isinstance(only, str):
+        return only, None
+    if isinstance(only, list) and all(is_int(t) for t in only):
+        return None, _token_ids(only)
+    raise InvalidRequest(f"'prompt' must be {_PROMPT_SHAPES}", param="prompt")
+
+
+def _token_ids(ids):
+    if not ids:
+        raise InvalidRequest("'prompt' holds an empty array of token ids", param="prompt")
+    if any(not 0 <= t < TOKEN_ID_LIMIT for t in ids):
+        raise InvalidRequest("'prompt' token ids must be non-negative integers", param="prompt")
+    return list(ids)
+
+
+# ---- responses ------------------------------------------------------------------------------
+
+def usage_body(usage):
+    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
+            "total_tokens": usage.total_tokens}
+
+
+def finish_reason(reason):
+    return "length" if reason == "length" else "stop"
+
+
+def completion_body(meta, text, finished):
+    return {"id": meta.id, "object": "text_completion", "created": meta.created, "model": meta.model,
+            "choices": [{"text": text, "index": 0, "logprobs": None,
+                         "finish_reason": finish_reason(finished.reason)}],
+            "usage": usage_body(finished.usage)}
+
+
+def completion_chunk(meta, text, reason=None):
+    return {"id": meta.id, "object": "text_completion", "created": meta.created, "model": meta.model,
+            "choices": [{"text": text, "index": 0, "logprobs": None, "finish_reason": reason}]}
+
+
+def completion_stream(events, meta):
+    """Service events -> SSE frames: a chunk per delta, a finish chunk, optional usage, [DONE].
+    A cancelled run ends without either."""
+    for event in events:
+        if isinstance(event, TextDelta):
+            yield sse.data_event(completion_chunk(meta, event.text))
+        elif isinstance(event, Finished):
+            yield sse.data_event(completion_chunk(meta, "", finish_reason(event.reason)))
+            if meta.include_usage:
+                yield sse.data_event(usage_chunk(meta, "text_completion", event.usage))
+            yield sse.DONE
+        elif isinstance(event, KeepAlive):
+            yield sse.KEEPALIVE
+
+
+def usage_chunk(meta, obj, usage):
+    """stream_options.include_usage: one trailing chunk with no choices."""
+    return {"id": meta.id, "object": obj, "created": meta.created, "model": meta.model,
+            "choices": [], "usage": usage_body(usage)}
+
+
+def error_body(exc):
+    """OpenAI's error envelope for an ApiError."""
+    return {"error": {"message": exc.message, "type": exc.type, "param": exc.param, "code": exc.code}}
+
+
+def error_event(exc):
+    """A mid-stream failure as a framed `event: error` (no [DONE] follows)."""
+    return sse.named_event("error", error_body(exc))
+
+
+def model_object(info, owned_by="turbospark"):
+    return {"id": info.id, "object": "model", "created": info.created, "owned_by": owned_by}
+
+
+def model_list(infos):
+    return {"object": "list", "data": [model_object(i) for i in infos]}
