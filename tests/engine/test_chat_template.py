@@ -1,0 +1,298 @@
+import datetime
+import os
+
+import pytest
+from tokenizers import Tokenizer as Backend
+from tokenizers import models
+
+from turbospark_wsgi.engine.chat_template import CHATML_TEMPLATE, ChatTemplate, TemplateError
+from turbospark_wsgi.engine.gguf import read_metadata
+from turbospark_wsgi.engine.tokenizer import Tokenizer
+
+MODELS = os.path.expanduser(os.environ.get("TURBOSPARK_MODELS", "~/.cache/turbospark/models"))
+SMOL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# Written from the public structure of Qwen2.5-Instruct's template (tools in the system turn,
+# <tool_call> JSON in assistant turns, consecutive tool results grouped in one user turn).
+QWEN25_TEMPLATE = r"""{%- if tools %}
+    {{- '<|im_start|>system\n' }}
+    {%- if messages[0]['role'] == 'system' %}
+        {{- messages[0]['content'] }}
+    {%- else %}
+        {{- 'You are Qwen, created by Alibaba Cloud. You are a helpful assistant.' }}
+    {%- endif %}
+    {{- "\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>" }}
+    {%- for tool in tools %}
+        {{- "\n" }}
+        {{- tool | tojson }}
+    {%- endfor %}
+    {{- "\n</tools>\n\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n" }}
+{%- else %}
+    {%- if messages[0]['role'] == 'system' %}
+        {{- '<|im_start|>system\n' + messages[0]['content'] + '<|im_end|>\n' }}
+    {%- else %}
+        {{- '<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n' }}
+    {%- endif %}
+{%- endif %}
+{%- for message in messages %}
+    {%- if (message.role == "user") or (message.role == "system" and not loop.first) or (message.role == "assistant" and not message.tool_calls) %}
+        {{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>' + '\n' }}
+    {%- elif message.role == "assistant" %}
+        {{- '<|im_start|>' + message.role }}
+        {%- if message.content %}
+            {{- '\n' + message.content }}
+        {%- endif %}
+        {%- for tool_call in message.tool_calls %}
+            {%- if tool_call.function is defined %}
+                {%- set tool_call = tool_call.function %}
+            {%- endif %}
+            {{- '\n<tool_call>\n{"name": "' }}
+            {{- tool_call.name }}
+            {{- '", "arguments": ' }}
+            {{- tool_call.arguments | tojson }}
+            {{- '}\n</tool_call>' }}
+        {%- endfor %}
+        {{- '<|im_end|>\n' }}
+    {%- elif message.role == "tool" %}
+        {%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != "tool") %}
+            {{- '<|im_start|>user' }}
+        {%- endif %}
+        {{- '\n<tool_response>\n' }}
+        {{- message.content }}
+        {{- '\n</tool_response>' }}
+        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}
+            {{- '<|im_end|>\n' }}
+        {%- endif %}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\n' }}
+{%- endif %}
+"""
+
+# Written from the public structure of Llama-3.1-Instruct's template (date header, JSON tool
+# definitions in the first user turn, one tool call per assistant turn, ipython results).
+LLAMA31_TEMPLATE = r"""{{- bos_token }}
+{%- if custom_tools is defined %}
+    {%- set tools = custom_tools %}
+{%- endif %}
+{%- if not tools_in_user_message is defined %}
+    {%- set tools_in_user_message = true %}
+{%- endif %}
+{%- if not date_string is defined %}
+    {%- set date_string = "26 Jul 2024" %}
+{%- endif %}
+{%- if not tools is defined %}
+    {%- set tools = none %}
+{%- endif %}
+
+{#- This block extracts the system message, so we can slot it into the right place. #}
+{%- if messages[0]['role'] == 'system' %}
+    {%- set system_message = messages[0]['content']|trim %}
+    {%- set messages = messages[1:] %}
+{%- else %}
+    {%- set system_message = "" %}
+{%- endif %}
+
+{{- "<|start_header_id|>system<|end_header_id|>\n\n" }}
+{%- if builtin_tools is defined or tools is not none %}
+    {{- "Environment: ipython\n" }}
+{%- endif %}
+{%- if builtin_tools is defined %}
+    {{- "Tools: " + builtin_tools | reject("equalto", "code_interpreter") | join(", ") + "\n\n"}}
+{%- endif %}
+{{- "Cutting Knowledge Date: December 2023\n" }}
+{{- "Today Date: " + date_string + "\n\n" }}
+{%- if tools is not none and not tools_in_user_message %}
+    {{- "You have access to the following functions. To call a function, please respond with JSON for a function call." }}
+    {{- 'Respond in the format {"name": function name, "parameters": dictionary of argument name and its value}.' }}
+    {{- "Do not use variables.\n\n" }}
+    {%- for t in tools %}
+        {{- t | tojson(indent=4) }}
+        {{- "\n\n" }}
+    {%- endfor %}
+{%- endif %}
+{{- system_message }}
+{{- "<|eot_id|>" }}
+
+{%- if tools_in_user_message and not tools is none %}
+    {%- if messages | length != 0 %}
+        {%- set first_user_message = messages[0]['content']|trim %}
+        {%- set messages = messages[1:] %}
+    {%- else %}
+        {{- raise_exception("Cannot put tools in the first user message when there's no first user message!") }}
+{%- endif %}
+    {{- '<|start_header_id|>user<|end_header_id|>\n\n' -}}
+    {{- "Given the following functions, please respond with a JSON for a function call " }}
+    {{- "with its proper arguments that best answers the given prompt.\n\n" }}
+    {{- 'Respond in the format {"name": function name, "parameters": dictionary of argument name and its value}.' }}
+    {{- "Do not use variables.\n\n" }}
+    {%- for t in tools %}
+        {{- t | tojson(indent=4) }}
+        {{- "\n\n" }}
+    {%- endfor %}
+    {{- first_user_message + "<|eot_id|>"}}
+{%- endif %}
+
+{%- for message in messages %}
+    {%- if not (message.role == 'ipython' or message.role == 'tool' or 'tool_calls' in message) %}
+        {{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'+ message['content'] | trim + '<|eot_id|>' }}
+    {%- elif 'tool_calls' in message %}
+        {%- if not message.tool_calls|length == 1 %}
+            {{- raise_exception("This model only supports single tool-calls at once!") }}
+        {%- endif %}
+        {%- set tool_call = message.tool_calls[0].function %}
+        {{- '<|start_header_id|>assistant<|end_header_id|>\n\n' -}}
+        {{- '{"name": "' + tool_call.name + '", ' }}
+        {{- '"parameters": ' }}
+        {{- tool_call.arguments | tojson }}
+        {{- "}" }}
+        {%- if builtin_tools is defined %}
+            {{- "<|eom_id|>" }}
+        {%- else %}
+            {{- "<|eot_id|>" }}
+        {%- endif %}
+    {%- elif message.role == "tool" or message.role == "ipython" %}
+        {{- "<|start_header_id|>ipython<|end_header_id|>\n\n" }}
+        {%- if message.content is mapping or message.content is iterable %}
+            {{- message.content | tojson }}
+        {%- else %}
+            {{- message.content }}
+        {%- endif %}
+        {{- "<|eot_id|>" }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|start_header_id|>assistant<|end_header_id|>\n\n' }}
+{%- endif %}
+"""
+
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city (°C).",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "description": "Städte, 東京"}},
+                   "required": ["city"]}}}
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "Hi!"}],
+    [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "What is 2+2?"}],
+    [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "Hi, how can I help?"},
+     {"role": "user", "content": "Tell me a joke about 猫 😀"}],
+    [{"role": "system", "content": "Sys"}, {"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+     {"role": "user", "content": "c\n\nd"}],
+]
+
+TOOL_CONVERSATION = [
+    {"role": "system", "content": "Use tools when needed."},
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "{\"temp\": 21}"},
+]
+
+
+def hf_tokenizer_with(template, bos="<|begin_of_text|>", eos="<|eot_id|>"):
+    transformers = pytest.importorskip("transformers")
+    backend = Backend(models.WordLevel({"<unk>": 0, bos: 1, eos: 2}, unk_token="<unk>"))
+    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=bos, eos_token=eos)
+    tok.chat_template = template
+    return tok
+
+
+def hf_render(tok, messages, **kwargs):
+    return tok.apply_chat_template(messages, tokenize=False, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def smol_pair():
+    path = os.path.join(MODELS, SMOL_FILE)
+    if not os.path.exists(path):
+        pytest.skip(f"default model not found at {path}")
+    transformers = pytest.importorskip("transformers")
+    tok = Tokenizer.from_gguf_metadata(read_metadata(path))
+    hf = transformers.AutoTokenizer.from_pretrained(MODELS, gguf_file=SMOL_FILE)
+    return ChatTemplate(tok.chat_template, tok.bos_token, tok.eos_token), hf
+
+
+@pytest.mark.parametrize("messages", CONVERSATIONS)
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_smol_template_matches_transformers(smol_pair, messages, add_generation_prompt):
+    ours, hf = smol_pair
+    expected = hf_render(hf, messages, add_generation_prompt=add_generation_prompt)
+    assert ours.render(messages, add_generation_prompt=add_generation_prompt) == expected
+
+
+@pytest.mark.parametrize("messages", CONVERSATIONS + [TOOL_CONVERSATION])
+@pytest.mark.parametrize("tools", [None, [WEATHER_TOOL]])
+def test_qwen25_template_matches_transformers(messages, tools):
+    hf = hf_tokenizer_with(QWEN25_TEMPLATE, bos="<|endoftext|>", eos="<|im_end|>")
+    ours = ChatTemplate(QWEN25_TEMPLATE, eos_token="<|im_end|>")
+    assert ours.render(messages, tools=tools) == hf_render(hf, messages, tools=tools, add_generation_prompt=True)
+
+
+@pytest.mark.parametrize("messages", CONVERSATIONS + [TOOL_CONVERSATION])
+@pytest.mark.parametrize("tools", [None, [WEATHER_TOOL]])
+@pytest.mark.parametrize("extra", [{}, {"tools_in_user_message": False, "date_string": "01 Jan 2025"}])
+def test_llama31_template_matches_transformers(messages, tools, extra):
+    hf = hf_tokenizer_with(LLAMA31_TEMPLATE)
+    ours = ChatTemplate(LLAMA31_TEMPLATE, "<|begin_of_text|>", "<|eot_id|>")
+    expected = hf_render(hf, messages, tools=tools, add_generation_prompt=True, **extra)
+    assert ours.render(messages, tools=tools, **extra) == expected
+
+
+def test_raise_exception_becomes_template_error():
+    tmpl = ChatTemplate(LLAMA31_TEMPLATE, "<|begin_of_text|>", "<|eot_id|>")
+    bad = [{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": [
+        {"function": {"name": "a", "arguments": {}}}, {"function": {"name": "b", "arguments": {}}}]}]
+    with pytest.raises(TemplateError, match="single tool-calls") as info:
+        tmpl.render(bad)
+    assert isinstance(info.value, ValueError) and "single tool-calls" in info.value.message
+
+
+@pytest.mark.parametrize("source", [
+    "{{ ''.__class__.__mro__[1].__subclasses__() }}",
+    "{{ messages.__class__.__init__.__globals__ }}",
+    "{{ cycler.__init__.__globals__.os.popen('id').read() }}",
+    "{% set x = messages.append(1) %}{{ x }}",
+])
+def test_sandbox_blocks_escapes(source):
+    with pytest.raises(TemplateError):
+        ChatTemplate(source).render([{"role": "user", "content": "x"}])
+
+
+def test_sandbox_hides_dunder_attributes():
+    assert ChatTemplate("{{ ''.__class__ }}|{{ messages.__len__ }}").render([]) == "|"
+
+
+def test_fallback_chatml():
+    tmpl = ChatTemplate(None)
+    assert tmpl.source == CHATML_TEMPLATE
+    messages = [{"role": "system", "content": "S"},
+                {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
+    assert tmpl.render(messages) == "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nab<|im_end|>\n<|im_start|>assistant\n"
+    assert tmpl.render(messages[:1], add_generation_prompt=False) == "<|im_start|>system\nS<|im_end|>\n"
+
+
+def test_helpers_and_kwargs():
+    source = ("{{ bos_token }}|{{ tools | tojson }}|{{ tools | tojson(indent=2) }}|{{ strftime_now('%Y-%m-%d') }}"
+              "|{% if enable_thinking %}think{% endif %}|{% generation %}gen{% endgeneration %}"
+              "|{% for m in messages %}{% if loop.index > 1 %}{% break %}{% endif %}{{ m.role }}{% endfor %}")
+    out = ChatTemplate(source, bos_token="<s>").render(
+        [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}],
+        tools=[{"name": "é<>&"}], enable_thinking=True)
+    today = datetime.datetime.now().strftime("%Y-%m-%d")
+    assert out == f'<s>|[{{"name": "é<>&"}}]|[\n  {{\n    "name": "é<>&"\n  }}\n]|{today}|think|gen|user'
+
+
+def test_none_valued_keys_are_dropped():
+    tmpl = ChatTemplate("{% for m in messages %}{{ 'content' in m }}{% endfor %}")
+    assert tmpl.render([{"role": "assistant", "content": None}, {"role": "user", "content": ""}]) == "FalseTrue"
+
+
+def test_syntax_error_is_a_template_error():
+    with pytest.raises(TemplateError, match="does not compile"):
+        ChatTemplate("{% for %}")
+
+
+def test_undefined_misuse_is_a_template_error():
+    with pytest.raises(TemplateError):
+        ChatTemplate("{{ messages[0]['content'] + 1 }}").render([{"role": "user", "content": "x"}])
