@@ -40,6 +40,7 @@ class GenerationRequest:
     logprobs: int | None = None
     request_id: str = ""
     prompt_param: str = "prompt"            # the request field blamed when the prompt is too long
+    assistant_prefix: str = ""              # chat only: text the reply starts with (a forced tool call)
 
 
 @dataclass(slots=True)
@@ -98,6 +99,12 @@ class Service:
         """Prompt tokens `req` would use (template applied), without queueing or generating."""
         return len(self._prompt_ids(self.registry.resolve(req.model), req))
 
+    def chat_template(self, model):
+        """The chat template source of `model` (resolving it), for the chat output parsers."""
+        engine = self.registry.resolve(model)
+        template = getattr(engine, "template", None)
+        return getattr(template, "source", "") or ""
+
     def models(self):
         return self.registry.list()
 
@@ -146,6 +153,8 @@ class Service:
                 ids = engine.apply_chat_template(req.messages, tools=req.tools, **req.template_kwargs)
             except ValueError as e:
                 raise InvalidRequest(str(e), param="messages") from e
+            if req.assistant_prefix:
+                ids = ids + engine.encode(req.assistant_prefix, add_bos=False)
         else:
             ids = engine.encode(req.prompt or "", add_bos=req.add_bos)
         if not ids:
@@ -202,6 +211,7 @@ class Generation:
     def __init__(self, engine, ids, params, req, cancel, ticket, keepalive):
         self.model_id = engine.name
         self.request_id = req.request_id
+        self.prompt_tokens = len(ids)
         self.usage = None
         self.finish_reason = None
         self.enqueued_at, self.started_at = time.monotonic(), None
