@@ -10,8 +10,10 @@ from .config import Config
 from .errors import (ApiError, EngineError, InvalidRequest, MethodNotAllowed, NotFound, PayloadTooLarge,
                      Unauthorized, UnsupportedMediaType)
 from .middleware import ApiKeyAuth, BodyLimit, RequestContext, request_id
+from .resources.chat import ChatCompletions
 from .resources.completions import Completions
 from .resources.health import Health
+from .resources.messages import CountTokens, Messages
 from .resources.models import Model, Models
 from .schemas import common, openai
 from .service import Service
@@ -50,6 +52,9 @@ def create_app(config=None, service=None):
 def add_routes(app, service, config):
     """The route table: the only place a path is bound to a resource."""
     app.add_route("/v1/completions", Completions(service, config.max_body))
+    app.add_route("/v1/chat/completions", ChatCompletions(service, config.max_body))
+    app.add_route("/v1/messages", Messages(service, config.max_body))
+    app.add_route("/v1/messages/count_tokens", CountTokens(service, config.max_body))
     app.add_route("/v1/models", Models(service))
     app.add_route("/v1/models/{model_id:path}", Model(service))
     app.add_route("/health", Health(service))
