@@ -1,0 +1,53 @@
+"""POST /v1/chat/completions: the model's chat template, tools, reasoning split, OpenAI shapes."""
+from ..middleware import read_json
+from ..parsers import OutputParser
+from ..schemas import openai
+from ..schemas.chat import generation_request, parse_chat
+from ..schemas.chat_render import ChatReply, chat_body, chat_stream, drain
+from ..schemas.tool_prompt import plan_output
+from . import begin, client_gone, stream_response
+
+
+def output_parser(request, plan):
+    """The OutputParser for a request and its plan, already past the forced tool-call prefix."""
+    parser = OutputParser(reasoning=getattr(request, "reasoning", True), in_reasoning=plan.in_reasoning,
+                          tool_family=plan.tool_family)
+    parser.feed(plan.assistant_prefix)     # NOTE(tools): the prefix is output the model did not have to write
+    return parser
+
+
+def plan_for(service, request):
+    """Resolves the model (maybe loading it) and plans prompt and parsing against its template."""
+    source = service.chat_template(request.model)
+    return plan_output(source, request.messages, request.tools, request.tool_choice,
+                       getattr(request, "reasoning", True))
+
+
+def drain_generation(events, watcher, parser):
+    try:
+        return drain(parser, events)
+    finally:
+        events.close()
+        watcher.stop()
+
+
+class ChatCompletions:
+    def __init__(self, service, max_body):
+        self._service = service
+        self._max_body = max_body
+
+    def on_post(self, req, resp):
+        # NOTE(order): parse_chat checks everything that needs no model before one is resolved.
+        chat = parse_chat(read_json(req, self._max_body))
+        plan = plan_for(self._service, chat)
+        events, watcher = begin(self._service, req, generation_request(chat, plan))
+        parser = output_parser(chat, plan)
+        reply = ChatReply(events.model_id, chat.include_usage, chat.parallel_tool_calls)
+        if chat.stream:
+            stream_response(resp, chat_stream(reply, parser, events), events, watcher, openai.error_event)
+            return
+        parsed, finished = drain_generation(events, watcher, parser)
+        if finished is None:
+            client_gone(resp)
+        else:
+            resp.media = chat_body(reply, parsed, finished)

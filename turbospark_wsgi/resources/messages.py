@@ -1,0 +1,42 @@
+"""POST /v1/messages and /v1/messages/count_tokens: the Anthropic Messages API."""
+from ..middleware import read_json
+from ..schemas.anthropic import parse_messages_request
+from ..schemas.anthropic_render import MessageReply, error_event, message_body, message_stream
+from ..schemas.chat import generation_request
+from . import begin, client_gone, stream_response
+from .chat import drain_generation, output_parser, plan_for
+
+
+class Messages:
+    def __init__(self, service, max_body):
+        self._service = service
+        self._max_body = max_body
+
+    def on_post(self, req, resp):
+        request = parse_messages_request(read_json(req, self._max_body))
+        plan = plan_for(self._service, request)
+        events, watcher = begin(self._service, req, generation_request(request, plan))
+        parser = output_parser(request, plan)
+        reply = MessageReply(events.model_id, request.parallel_tool_calls)
+        if request.stream:
+            frames = message_stream(reply, parser, events, events.prompt_tokens)
+            stream_response(resp, frames, events, watcher, error_event)
+            return
+        parsed, finished = drain_generation(events, watcher, parser)
+        if finished is None:
+            client_gone(resp)
+        else:
+            resp.media = message_body(reply, parsed, finished)
+
+
+class CountTokens:
+    """input_tokens exactly as a real request with the same body would report them."""
+
+    def __init__(self, service, max_body):
+        self._service = service
+        self._max_body = max_body
+
+    def on_post(self, req, resp):
+        request = parse_messages_request(read_json(req, self._max_body), count_only=True)
+        plan = plan_for(self._service, request)
+        resp.media = {"input_tokens": self._service.count_tokens(generation_request(request, plan))}
