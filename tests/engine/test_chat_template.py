@@ -265,7 +265,7 @@ def test_sandbox_hides_dunder_attributes():
 
 def test_fallback_chatml():
     tmpl = ChatTemplate(None)
-    assert tmpl.source == CHATML_TEMPLATE
+    assert tmpl.source == CHATML_TEMPLATE == ChatTemplate.fallback("<s>").source
     messages = [{"role": "system", "content": "S"},
                 {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
     assert tmpl.render(messages) == "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nab<|im_end|>\n<|im_start|>assistant\n"

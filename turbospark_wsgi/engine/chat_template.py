@@ -87,6 +87,11 @@ class ChatTemplate:
         self.bos_token, self.eos_token = bos_token, eos_token
         self._template = _compile(self.source)
 
+    @classmethod
+    def fallback(cls, bos_token=None, eos_token=None):
+        """The ChatML template, for a model that ships none."""
+        return cls(CHATML_TEMPLATE, bos_token, eos_token)
+
     def render(self, messages, tools=None, add_generation_prompt=True, **kwargs):
         """The prompt text for `messages` (plain dicts). Raises TemplateError on a refusal or failure."""
         context = {"bos_token": self.bos_token or "", "eos_token": self.eos_token or "", "documents": None,

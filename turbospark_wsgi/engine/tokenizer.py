@@ -154,6 +154,11 @@ class Tokenizer:
         return None if self.eos_id is None else self._tk.id_to_token(self.eos_id)
 
     @property
+    def strips_leading_space(self):
+        """True for SPM vocabularies whose decode drops the prefix space of the first piece."""
+        return self._strip
+
+    @property
     def backend(self):
         """The wrapped `tokenizers.Tokenizer`."""
         return self._tk
@@ -186,7 +191,7 @@ class IncrementalDecoder:
         self._tok = tokenizer
         self._skip = skip_special
         self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
-        self._strip = tokenizer._strip
+        self._strip = tokenizer.strips_leading_space
 
     def push(self, token_id):
         """Text newly completed by `token_id` (may be empty)."""
@@ -210,19 +215,14 @@ class IncrementalDecoder:
 # ---- GGUF builders
 
 
-def _special_added_tokens(meta, vocab):
-    types = meta.get("tokenizer.ggml.token_type") or ()
-    tokens = meta["tokenizer.ggml.tokens"]
-    special = [AddedToken(t, special=True, normalized=False)
-               for t, kind in zip(tokens, types) if kind in (_CONTROL, _UNKNOWN) and vocab.get(t) is not None]
-    # NOTE(user-defined): like `<think>`, kept whole but decoded as text (transformers does the same).
-    user = [AddedToken(t, special=False, normalized=False)
-            for t, kind in zip(tokens, types) if kind == _USER_DEFINED]
-    return special, user
-
-
-def _register_added(backend, meta, vocab):
-    special, user = _special_added_tokens(meta, vocab)
+def _register_added(backend, meta):
+    kinds = zip(meta["tokenizer.ggml.tokens"], meta.get("tokenizer.ggml.token_type") or ())
+    special, user = [], []
+    for token, kind in kinds:
+        if kind in (_CONTROL, _UNKNOWN):
+            special.append(AddedToken(token, special=True, normalized=False))
+        elif kind == _USER_DEFINED:   # NOTE(user-defined): like `<think>`: kept whole, decoded as text
+            user.append(AddedToken(token, special=False, normalized=False))
     if special:
         backend.add_special_tokens(special)
     if user:
@@ -237,7 +237,7 @@ def _gguf_byte_level(meta):
     backend = _Backend(models.BPE(vocab, merges))
     backend.pre_tokenizer = _byte_level_pre(meta.get("tokenizer.ggml.pre", "default"))
     backend.decoder = decoders.ByteLevel()
-    return _register_added(backend, meta, vocab)
+    return _register_added(backend, meta)
 
 
 def _byte_level_pre(pre):
@@ -265,7 +265,7 @@ def _gguf_spm(meta, add_space_prefix):
         replacement="\u2581", prepend_scheme="first" if add_space_prefix else "never", split=False)
     steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
     backend.decoder = decoders.Sequence(steps + ([decoders.Strip(" ", 1, 0)] if add_space_prefix else []))
-    return _register_added(backend, meta, vocab)
+    return _register_added(backend, meta)
 
 
 def merges_from_scores(tokens, scores):
