@@ -1,0 +1,109 @@
+"""DESIGN §2 import rules, read from each module's imports with `ast`."""
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "turbospark_wsgi"
+
+# Layers, outermost first (a module imports only from its own layer or below).
+LAYERS = {
+    5: ("wsgi", "cli", "__main__"),
+    4: ("app", "middleware", "resources"),
+    3: ("schemas", "sse", "parsers"),
+    2: ("service", "queue", "cancel", "errors", "config", "registry", "compute", "pull", "metrics"),
+    1: ("engine",),
+}
+TOP_LEVEL = {"__init__"}        # turbospark_wsgi/__init__.py: __version__ only
+
+
+def modules():
+    for path in sorted(PACKAGE.rglob("*.py")):
+        yield ".".join(path.relative_to(PACKAGE).with_suffix("").parts), path
+
+
+def imports(name, path):
+    """Absolute names imported by a module: 'numpy', 'turbospark_wsgi.engine', ..."""
+    package = ["turbospark_wsgi"] + name.split(".")[:-1]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = package[:len(package) - node.level + 1] if node.level else []
+            mod = ".".join(base + ([node.module] if node.module else []))
+            found.add(mod)
+            if not node.module:     # `from . import x`: x may be a module
+                found.update(f"{mod}.{a.name}" for a in node.names)
+    return found
+
+
+def top(name):
+    return name.split(".")[0]
+
+
+def layer_of(name):
+    head = top(name)
+    for layer, names in LAYERS.items():
+        if head in names:
+            return layer
+    return None
+
+
+ALL = list(modules())
+IDS = [n for n, _ in ALL]
+
+
+@pytest.mark.parametrize("name, path", ALL, ids=IDS)
+def test_every_module_has_a_layer(name, path):
+    assert name in TOP_LEVEL or layer_of(name) is not None, f"{name}: add it to a layer in DESIGN §2 and here"
+
+
+@pytest.mark.parametrize("name, path", ALL, ids=IDS)
+def test_imports_go_down_or_sideways_only(name, path):
+    mine = layer_of(name)
+    if mine is None:
+        return
+    for imp in imports(name, path):
+        if imp.startswith("turbospark_wsgi.") and (target := layer_of(imp[len("turbospark_wsgi."):])):
+            assert target <= mine, f"{name} (L{mine}) imports {imp} (L{target})"
+
+
+@pytest.mark.parametrize("name, path", ALL, ids=IDS)
+def test_third_party_rules(name, path):
+    third = {top(i) for i in imports(name, path) if not i.startswith("turbospark_wsgi")}
+    if "falcon" in third:
+        assert layer_of(name) in (4, 5), f"{name} imports falcon outside L4/L5"
+    for lib in ("numpy", "tokenizers", "jinja2", "cupy", "cupyx", "gguf", "torch"):
+        if lib in third:
+            assert top(name) == "engine", f"{name} imports {lib} outside engine/"
+
+
+@pytest.mark.parametrize("name, path", ALL, ids=IDS)
+def test_engine_and_resources_boundaries(name, path):
+    inside = {i for i in imports(name, path) if i.startswith("turbospark_wsgi")}
+    if top(name) == "engine":
+        stray = {i for i in inside if not i.startswith("turbospark_wsgi.engine")}
+        assert not stray, f"{name} reaches outside engine/: {stray}"
+    if top(name) == "resources":
+        assert not {i for i in inside if i.startswith("turbospark_wsgi.engine")}, f"{name} imports the engine"
+    assert not any(top(i) == "tools" or i.startswith("tests") for i in imports(name, path)), name
+
+
+def test_schemas_name_only_sampling_params_from_the_engine():
+    for name, path in ALL:
+        if top(name) not in ("schemas", "sse"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.endswith("engine"):
+                assert [a.name for a in node.names] == ["SamplingParams"], name
+
+
+def test_the_package_import_is_light():
+    """The service layer loads without falcon, cupy, tokenizers or jinja2 (CLI and tools stay quick)."""
+    import subprocess
+    import sys
+    code = ("import sys, turbospark_wsgi, turbospark_wsgi.config, turbospark_wsgi.service;"
+            "print(sorted(m for m in ('falcon', 'cupy', 'tokenizers', 'jinja2') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

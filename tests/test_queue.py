@@ -1,0 +1,143 @@
+"""The FIFO lock queue with real threads."""
+import threading
+import time
+
+import pytest
+
+from turbospark_wsgi.cancel import CancelToken
+from turbospark_wsgi.errors import Overloaded
+from turbospark_wsgi.queue import Cancelled, LockQueue
+
+
+def wait_until(predicate, timeout=5.0):
+    end = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > end:
+            raise AssertionError("condition not reached")
+        time.sleep(0.005)
+
+
+def test_tickets_run_in_arrival_order_one_at_a_time():
+    queue, order, active, overlaps = LockQueue(max_waiting=10), [], [], []
+    holder = queue.enqueue()
+    assert holder.wait(0)
+
+    def worker(i):
+        with queue.slot():
+            active.append(i)
+            overlaps.append(len(active) > 1)
+            order.append(i)
+            time.sleep(0.01)
+            active.remove(i)
+
+    threads = []
+    for i in range(6):
+        threads.append(threading.Thread(target=worker, args=(i,)))
+        threads[-1].start()
+        wait_until(lambda: queue.depth == i + 1)     # enqueued in this order
+    holder.release()
+    for t in threads:
+        t.join(5)
+    assert order == list(range(6)) and not any(overlaps)
+    assert queue.depth == 0 and queue.running == 0
+
+
+def test_over_max_waiting_is_503_with_retry_after():
+    queue = LockQueue(max_waiting=2, retry_after=3)
+    tickets = [queue.enqueue() for _ in range(3)]         # one holder + two waiting
+    with pytest.raises(Overloaded) as e:
+        queue.enqueue()
+    assert e.value.status == 503 and e.value.headers["Retry-After"] == "3"
+    tickets[0].release()
+    queue.enqueue()                                         # room again
+
+
+def test_max_waiting_zero_admits_only_the_runner():
+    queue = LockQueue(max_waiting=0)
+    queue.enqueue()
+    with pytest.raises(Overloaded):
+        queue.enqueue()
+
+
+def test_a_cancelled_waiter_leaves_at_once_and_the_order_holds():
+    queue = LockQueue()
+    holder = queue.enqueue()
+    holder.wait(0)
+    token = CancelToken()
+    leaving = queue.enqueue(token)
+    staying = queue.enqueue()
+    result = {}
+
+    def wait_leaving():
+        start = time.monotonic()
+        result["got"] = leaving.wait(None)
+        result["took"] = time.monotonic() - start
+
+    t = threading.Thread(target=wait_leaving)
+    t.start()
+    time.sleep(0.05)
+    token.cancel("client disconnected")
+    t.join(2)
+    assert result["got"] is False and leaving.left and result["took"] < 1
+    assert queue.depth == 1
+    holder.release()
+    assert staying.wait(1)
+
+
+def test_cancel_does_not_take_the_lock_from_its_holder():
+    queue, token = LockQueue(), CancelToken()
+    holder = queue.enqueue(token)
+    assert holder.wait(0)
+    token.cancel()
+    assert holder.holding and queue.running == 1
+    holder.release()
+    assert queue.running == 0
+
+
+def test_slot_raises_cancelled_for_a_cancelled_waiter():
+    queue, token = LockQueue(), CancelToken()
+    holder = queue.enqueue()
+    holder.wait(0)
+    threading.Timer(0.05, token.cancel).start()
+    with pytest.raises(Cancelled):
+        with queue.slot(token):
+            pass
+    assert queue.depth == 0
+
+
+def test_wait_timeout_is_503_and_frees_the_place():
+    queue = LockQueue(timeout=0.1)
+    holder = queue.enqueue()
+    holder.wait(0)
+    waiter = queue.enqueue()
+    start = time.monotonic()
+    with pytest.raises(Overloaded) as e:
+        waiter.wait(None)
+    assert 0.08 < time.monotonic() - start < 2 and "timed out" in e.value.message
+    assert waiter.left and queue.depth == 0
+
+
+def test_slot_timeout_overrides_the_queue_default():
+    queue = LockQueue()
+    queue.enqueue().wait(0)
+    with pytest.raises(Overloaded):
+        with queue.slot(timeout=0.05):
+            pass
+
+
+def test_wait_with_a_short_timeout_returns_false_for_keepalives():
+    queue = LockQueue()
+    queue.enqueue().wait(0)
+    waiter = queue.enqueue()
+    assert waiter.wait(0.02) is False and not waiter.left
+    assert waiter.wait(0.02) is False
+
+
+def test_release_is_idempotent():
+    queue = LockQueue()
+    t = queue.enqueue()
+    t.wait(0)
+    t.release()
+    t.release()
+    t.abandon()
+    assert queue.running == 0 and queue.enqueue().wait(0)

@@ -1,0 +1,203 @@
+"""/v1/completions parsing and response shapes (pure: no Falcon, no engine)."""
+import math
+
+import pytest
+
+from turbospark_wsgi.errors import InvalidRequest
+from turbospark_wsgi.schemas import openai
+from turbospark_wsgi.service import Finished, KeepAlive, TextDelta, Usage
+
+
+def parse(**body):
+    return openai.parse_completion({"model": "m", **body})
+
+
+# ---- the original server's unit-test cases ----------------------------------------------------
+
+def test_a_single_string_prompt_passes_through():
+    req, _ = parse(prompt="hi")
+    assert req.prompt == "hi" and req.prompt_ids is None and req.add_bos
+
+
+def test_a_one_element_array_prompt_unwraps():
+    req, _ = parse(prompt=["hi"])
+    assert req.prompt == "hi"
+
+
+def test_a_multi_element_array_prompt_is_refused():
+    with pytest.raises(InvalidRequest) as e:
+        parse(prompt=["a", "b"])
+    assert "2" in e.value.message and e.value.param == "prompt"
+
+
+def test_an_empty_array_prompt_is_refused():
+    with pytest.raises(InvalidRequest) as e:
+        parse(prompt=[])
+    assert "0" in e.value.message
+
+
+def test_max_tokens_defaults_to_sixteen():
+    req, _ = parse(prompt="hi")
+    assert req.max_tokens == 16 and req.params.max_new_tokens == 16
+
+
+@pytest.mark.parametrize("value", [0, -1])
+def test_zero_or_negative_max_tokens_is_refused(value):
+    with pytest.raises(InvalidRequest) as e:
+        parse(prompt="hi", max_tokens=value)
+    assert "max_tokens" in e.value.message and e.value.param == "max_tokens"
+
+
+def test_max_tokens_is_read_when_present():
+    req, _ = parse(prompt="hi", max_tokens=5)
+    assert req.params.max_new_tokens == 5
+
+
+def test_a_plain_request_has_no_warnings():
+    assert parse(prompt="hi")[1] == []
+
+
+def test_logprobs_best_of_and_echo_true_are_all_reported():
+    _, degraded = parse(prompt="hi", logprobs=5, best_of=2, echo=True)
+    assert degraded == ["logprobs", "best_of", "echo"]
+
+
+def test_echo_false_is_not_reported():
+    assert parse(prompt="hi", echo=False)[1] == []
+
+
+def test_logprobs_null_is_still_reported_like_the_original():
+    assert parse(prompt="hi", logprobs=None)[1] == ["logprobs"]
+
+
+# ---- prompt shapes ---------------------------------------------------------------------------
+
+def test_token_id_prompts_keep_their_ids_and_add_no_bos():
+    req, _ = parse(prompt=[5, 6, 7])
+    assert req.prompt_ids == [5, 6, 7] and req.prompt is None and not req.add_bos
+    req, _ = parse(prompt=[[8, 9]])
+    assert req.prompt_ids == [8, 9]
+
+
+@pytest.mark.parametrize("prompt, words", [
+    ([[1], [2]], "got 2"), ([[]], "empty"), (["a", 1], "got 2"), ([True], "prompt"), ([-1], "non-negative"),
+    ({"a": 1}, "object"), (5, "integer"), ([["a"]], "prompt"),
+])
+def test_bad_prompt_shapes_are_refused(prompt, words):
+    with pytest.raises(InvalidRequest) as e:
+        parse(prompt=prompt)
+    assert words in e.value.message and e.value.param == "prompt"
+
+
+def test_prompt_is_required():
+    with pytest.raises(InvalidRequest) as e:
+        openai.parse_completion({"model": "m"})
+    assert e.value.param == "prompt"
+
+
+# ---- refusals and validation -----------------------------------------------------------------
+
+def test_suffix_is_refused_but_null_suffix_is_not():
+    with pytest.raises(InvalidRequest) as e:
+        parse(prompt="hi", suffix="")
+    assert e.value.param == "suffix"
+    parse(prompt="hi", suffix=None)
+
+
+def test_n_above_one_is_refused_with_the_count():
+    with pytest.raises(InvalidRequest) as e:
+        parse(prompt="hi", n=3)
+    assert e.value.message == "n must be 1, got 3" and e.value.param == "n"
+    assert parse(prompt="hi", n=1)[0].prompt == "hi"
+
+
+@pytest.mark.parametrize("field, value", [
+    ("temperature", -0.1), ("temperature", 2.5), ("temperature", "hot"), ("temperature", math.nan),
+    ("temperature", math.inf), ("top_p", 1.5), ("top_p", -1), ("top_k", -2), ("top_k", 1.5),
+    ("min_p", 2), ("presence_penalty", 3), ("frequency_penalty", -3), ("repetition_penalty", 0),
+    ("seed", "x"), ("seed", 1.5), ("seed", 2 ** 70), ("logit_bias", []), ("logit_bias", {"a": 1}),
+    ("logit_bias", {"5": 101}), ("logit_bias", {"5": "x"}), ("stop", 5), ("stop", ["a", 1]),
+    ("stop", ["s"] * 17), ("max_tokens", "16"), ("max_tokens", 2 ** 40), ("max_tokens", True),
+    ("stream", "yes"), ("stream_options", "x"), ("n", 0), ("n", "2"), ("model", 5), ("model", ""),
+    ("logprobs", -1), ("logprobs", 99), ("best_of", 0), ("echo", "true"),
+])
+def test_bad_fields_name_their_param(field, value):
+    with pytest.raises(InvalidRequest) as e:
+        parse(**{"prompt": "hi", "stream": True, field: value})
+    assert e.value.param == field, e.value.message
+
+
+def test_sampling_fields_reach_sampling_params():
+    req, _ = parse(prompt="hi", temperature=0, top_p=0.9, top_k=40, min_p=0.05, presence_penalty=0.5,
+                   frequency_penalty=-0.5, repetition_penalty=1.1, seed=-1, logit_bias={"7": -100},
+                   stop=["\n", "", "\n"])
+    p = req.params
+    assert (p.temperature, p.top_p, p.top_k, p.min_p) == (0.0, 0.9, 40, 0.05)
+    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (0.5, -0.5, 1.1)
+    assert p.seed == 2 ** 64 - 1 and p.logit_bias == {7: -100.0} and p.stop == ("\n",)
+
+
+def test_top_k_minus_one_and_top_p_zero_mean_off_and_greedy():
+    p = parse(prompt="hi", top_k=-1, top_p=0)[0].params
+    assert p.top_k == 0 and p.top_p == 1.0 and p.temperature == 0.0
+
+
+def test_stop_may_be_a_string_and_unknown_fields_are_tolerated():
+    req, _ = parse(prompt="hi", stop="END", user="u1", whatever={"x": [1]})
+    assert req.params.stop == ("END",)
+
+
+def test_model_is_optional_and_include_usage_needs_stream():
+    req, _ = openai.parse_completion({"prompt": "hi", "stream_options": {"include_usage": True}})
+    assert req.model is None and not req.include_usage
+    req, _ = parse(prompt="hi", stream=True, stream_options={"include_usage": True})
+    assert req.stream and req.include_usage
+
+
+def test_the_body_must_be_an_object():
+    for doc in ([], "x", 1, None):
+        with pytest.raises(InvalidRequest):
+            openai.parse_completion(doc)
+
+
+# ---- responses -------------------------------------------------------------------------------
+
+META = openai.ResponseMeta("cmpl-1", 123, "m")
+
+
+def test_completion_body_shape():
+    body = openai.completion_body(META, "hey", Finished("length", Usage(3, 4)))
+    assert body == {"id": "cmpl-1", "object": "text_completion", "created": 123, "model": "m",
+                    "choices": [{"text": "hey", "index": 0, "logprobs": None, "finish_reason": "length"}],
+                    "usage": {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}}
+
+
+def test_ids_have_the_openai_prefix():
+    assert openai.new_id().startswith("cmpl-") and openai.new_id() != openai.new_id()
+
+
+def test_stream_frames_deltas_finish_and_done():
+    events = [KeepAlive("queued"), TextDelta("a"), TextDelta("b"), Finished("stop", Usage(1, 2))]
+    frames = list(openai.completion_stream(iter(events), META))
+    assert frames[0] == b": keep-alive\n\n" and frames[-1] == b"data: [DONE]\n\n"
+    assert b'"text":"a"' in frames[1] and b'"finish_reason":null' in frames[1]
+    assert b'"text":"","index":0,"logprobs":null,"finish_reason":"stop"' in frames[3]
+    assert len(frames) == 5
+
+
+def test_stream_with_include_usage_adds_one_chunk_without_choices():
+    meta = openai.ResponseMeta("cmpl-1", 1, "m", include_usage=True)
+    frames = list(openai.completion_stream(iter([Finished("stop", Usage(1, 2))]), meta))
+    assert b'"choices":[]' in frames[1] and b'"total_tokens":3' in frames[1] and frames[2].endswith(b"[DONE]\n\n")
+
+
+def test_a_cancelled_stream_ends_without_finish_or_done():
+    frames = list(openai.completion_stream(iter([TextDelta("a")]), META))
+    assert len(frames) == 1 and b"[DONE]" not in frames[0]
+
+
+def test_error_envelope_and_event():
+    err = InvalidRequest("bad", param="x", code="c")
+    assert openai.error_body(err) == {"error": {"message": "bad", "type": "invalid_request_error",
+                                                "param": "x", "code": "c"}}
+    assert openai.error_event(err).startswith(b"event: error\ndata: {\"error\"")
