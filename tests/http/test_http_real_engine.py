@@ -1,0 +1,96 @@
+"""/v1/completions with the real engine on the tiny stories260K model (skipped when absent)."""
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+MODEL = Path(os.environ.get("TURBOSPARK_TEST_MODELS", "/work/shared/models")) / "stories260K.gguf"
+pytestmark = pytest.mark.skipif(not MODEL.is_file(), reason=f"{MODEL} not present")
+PROMPT = "Once upon a time"
+
+
+@pytest.fixture(scope="module")
+def client():
+    import webtest
+    from turbospark_wsgi.app import create_app
+    from turbospark_wsgi.config import Config
+    config = Config(models_dir=str(MODEL.parent), model="stories260K", device="cpu", load_default=False,
+                    keepalive=0.5)
+    return webtest.TestApp(create_app(config))
+
+
+@pytest.fixture(scope="module")
+def direct():
+    """A second, independent engine instance driven without the server."""
+    from turbospark_wsgi.engine import load_engine
+    return load_engine(str(MODEL), device="cpu")
+
+
+def complete(client, **body):
+    return client.post_json("/v1/completions", {"model": "stories260K", "prompt": PROMPT, **body})
+
+
+def streamed_text(body):
+    chunks = [json.loads(f[6:]) for f in body.decode().split("\n\n") if f.startswith("data: {")]
+    return "".join(c["choices"][0]["text"] for c in chunks if c["choices"]), chunks
+
+
+def test_greedy_output_is_stable_and_matches_the_engine_alone(client, direct):
+    from turbospark_wsgi.engine import SamplingParams, Token
+    first = complete(client, max_tokens=24, temperature=0).json
+    second = complete(client, max_tokens=24, temperature=0).json
+    ids = direct.encode(PROMPT, add_bos=True)
+    events = list(direct.generate(ids, SamplingParams(max_new_tokens=24, temperature=0)))
+    alone = "".join(e.text for e in events if isinstance(e, Token)) + events[-1].text
+    assert first["choices"][0]["text"] == second["choices"][0]["text"] == alone and alone.strip()
+
+
+def test_streaming_text_equals_non_streaming_text(client):
+    plain = complete(client, max_tokens=30, temperature=0).json
+    text, chunks = streamed_text(complete(client, max_tokens=30, temperature=0, stream=True,
+                                          stream_options={"include_usage": True}).body)
+    assert text == plain["choices"][0]["text"]
+    assert chunks[-2]["choices"][0]["finish_reason"] == plain["choices"][0]["finish_reason"]
+    assert chunks[-1]["usage"] == plain["usage"]
+
+
+def test_usage_counts(client, direct):
+    body = complete(client, max_tokens=7, temperature=0).json
+    n_prompt = len(direct.encode(PROMPT, add_bos=True))
+    assert body["usage"] == {"prompt_tokens": n_prompt, "completion_tokens": 7, "total_tokens": n_prompt + 7}
+    assert body["choices"][0]["finish_reason"] == "length"
+
+
+def test_token_id_prompt_equals_text_prompt(client, direct):
+    ids = direct.encode(PROMPT, add_bos=True)
+    by_text = complete(client, max_tokens=10, temperature=0).json["choices"][0]["text"]
+    by_ids = client.post_json("/v1/completions", {"model": "stories260K", "prompt": ids, "max_tokens": 10,
+                                                  "temperature": 0}).json["choices"][0]["text"]
+    assert by_ids == by_text
+
+
+def test_seeded_sampling_repeats(client):
+    a = complete(client, max_tokens=20, temperature=1.0, seed=7).json["choices"][0]["text"]
+    b = complete(client, max_tokens=20, temperature=1.0, seed=7).json["choices"][0]["text"]
+    assert a == b
+
+
+def test_a_stop_string_ends_the_text_before_it(client):
+    full = complete(client, max_tokens=30, temperature=0).json["choices"][0]["text"]
+    stop = full.split()[3]
+    body = complete(client, max_tokens=30, temperature=0, stop=[stop]).json
+    assert body["choices"][0]["finish_reason"] == "stop" and full.startswith(body["choices"][0]["text"])
+    assert stop not in body["choices"][0]["text"]
+
+
+def test_context_overflow_uses_the_model_context(client):
+    r = client.post_json("/v1/completions", {"model": "stories260K", "prompt": "word " * 600}, status=400)
+    assert r.json["error"]["code"] == "context_length_exceeded" and "512" in r.json["error"]["message"]
+
+
+def test_health_and_models_after_load(client):
+    complete(client, max_tokens=1)
+    health = client.get("/health").json
+    assert health["status"] == "ok" and health["backend"] == "numpy" and health["max_context"] == 512
+    assert "stories260K" in [m["id"] for m in client.get("/v1/models").json["data"]]
