@@ -32,8 +32,10 @@ def free_port():
 
 
 def _stop(proc, timeout=15.0):
+    # NOTE(sigint): quick shutdown for both gunicorn and nginx; SIGTERM would let gunicorn wait
+    # out graceful_timeout for streams the tests already left.
     if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
+        os.killpg(proc.pid, signal.SIGINT)
         try:
             proc.wait(timeout)
         except subprocess.TimeoutExpired:
