@@ -141,3 +141,40 @@ def test_release_is_idempotent():
     t.release()
     t.abandon()
     assert queue.running == 0 and queue.enqueue().wait(0)
+
+
+GEVENT_SCRIPT = r"""
+from gevent import monkey; monkey.patch_all()
+import threading, time, gevent
+from turbospark_wsgi import compute
+from turbospark_wsgi.queue import LockQueue
+
+ex = compute.executor()
+assert type(ex).__module__.startswith("gevent"), type(ex)
+hub_thread = threading.get_native_id()
+assert compute.run(threading.get_native_id) != hub_thread       # a real native thread
+
+queue, order, ticks = LockQueue(), [], []
+def worker(i):
+    with queue.slot():
+        order.append(i)
+        compute.run(time.sleep, 0.05)       # blocks only this greenlet
+def ticker():
+    for _ in range(10):
+        ticks.append(time.monotonic()); gevent.sleep(0.01)
+jobs = [gevent.spawn(ticker)]
+for i in range(4):
+    jobs.append(gevent.spawn(worker, i)); gevent.sleep(0.001)
+gevent.joinall(jobs, timeout=10)
+gaps = [b - a for a, b in zip(ticks, ticks[1:])]
+assert order == [0, 1, 2, 3], order
+assert len(ticks) == 10 and max(gaps) < 0.1, gaps
+print("ok")
+"""
+
+
+def test_under_gevent_the_compute_thread_is_native_and_the_queue_cooperative():
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-c", GEVENT_SCRIPT], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "ok", out.stderr
