@@ -21,7 +21,7 @@ class FakeEngine:
     """A byte-level stand-in for `Engine`: replies with `reply`, one byte per decode step.
 
     Knobs: `step_delay` (s per step), `gate` (a threading.Event every step waits for),
-    `fail_at` (step index that raises), `prefill_delay` (s before the first token).
+    `fail_at` (step index that raises), `prefill_delay` (s per prefill chunk), `prefill_chunks`.
     Records every run in `runs` and flags overlapping generations in `overlaps`.
     """
 
@@ -29,12 +29,12 @@ class FakeEngine:
     backend_reason = "test double"
 
     def __init__(self, name="fake", reply="Hello world", max_context=64, step_delay=0.0,
-                 prefill_delay=0.0, gate=None, fail_at=None):
+                 prefill_delay=0.0, prefill_chunks=1, gate=None, fail_at=None):
         self.name = name
         self.reply = reply
         self.max_context = max_context
         self.config = SimpleNamespace(vocab_size=256 + OFFSET, max_seq_len=max_context)
-        self.step_delay, self.prefill_delay = step_delay, prefill_delay
+        self.step_delay, self.prefill_delay, self.prefill_chunks = step_delay, prefill_delay, prefill_chunks
         self.gate, self.fail_at = gate, fail_at
         self.runs, self.overlaps, self.closed = [], 0, 0
         self._active = 0
@@ -59,8 +59,9 @@ class FakeEngine:
         self._active += 1
         self.overlaps += self._active > 1
         try:
-            yield Prefill(done=len(ids), total=len(ids))
-            time.sleep(self.prefill_delay)
+            for chunk in range(1, self.prefill_chunks + 1):
+                time.sleep(self.prefill_delay)
+                yield Prefill(done=len(ids) * chunk // self.prefill_chunks, total=len(ids))
             out = []
             for i, byte in enumerate(self.reply.encode("utf-8")):
                 if should_stop():

@@ -181,6 +181,12 @@ def test_keepalives_while_queued_and_while_a_step_is_slow(harness):
     assert [e.text for e in seen if isinstance(e, TextDelta)] == ["a", "b"]
 
 
+def test_keepalives_during_many_quick_silent_steps(harness):
+    harness.engine("fake", reply="a", prefill_delay=0.02, prefill_chunks=15)     # 0.3 s, 20 ms per step
+    seen = list(harness.service.run(request(), CancelToken()))
+    assert seen.count(KeepAlive("running")) >= 3 and seen[-1].reason == "stop"
+
+
 def test_generations_never_overlap(harness):
     engine = harness.engine("fake", reply="abcdef", step_delay=0.005)
     results = []

@@ -220,6 +220,7 @@ class Generation:
         self._cancel, self._ticket, self._keepalive = cancel, ticket, keepalive
         self._steps = self._pending = None
         self._completion_tokens = 0
+        self._quiet_since = time.monotonic()      # last time the consumer got an event
         self._cleaned = False
         self._gen = self._events()
 
@@ -246,9 +247,15 @@ class Generation:
                 event = yield from self._await(compute.submit(next, self._steps, None))
                 if event is None:
                     return
-                yield from self._translate(event)
+                for out in self._translate(event):
+                    self._quiet_since = time.monotonic()
+                    yield out
                 if isinstance(event, Finish):
                     return
+                if time.monotonic() - self._quiet_since >= self._keepalive:
+                    # NOTE(keepalive): many quick prefill chunks (or held-back tokens) are silent too.
+                    self._quiet_since = time.monotonic()
+                    yield KeepAlive("running")
         except ApiError:
             raise
         except Exception as e:
@@ -261,6 +268,7 @@ class Generation:
         while not self._ticket.wait(self._keepalive):
             if self._ticket.left:
                 return False
+            self._quiet_since = time.monotonic()
             yield KeepAlive("queued")
         return not self._cancel.cancelled
 
@@ -272,6 +280,7 @@ class Generation:
             except TimeoutError:
                 if fut.done():
                     raise
+                self._quiet_since = time.monotonic()
                 yield KeepAlive("running")
                 continue
             self._pending = None
