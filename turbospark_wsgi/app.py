@@ -66,6 +66,9 @@ def envelope_for(path):
 
 
 def _handle_api_error(req, resp, ex, params):
+    stream, resp.stream = resp.stream, None
+    if hasattr(stream, "close"):
+        stream.close()          # NOTE(streams): an unsent stream still holds its queue slot
     resp.status = ex.status
     resp.set_headers(ex.headers)
     resp.content_type = falcon.MEDIA_JSON
