@@ -33,8 +33,7 @@ def imports(name, path):
             base = package[:len(package) - node.level + 1] if node.level else []
             mod = ".".join(base + ([node.module] if node.module else []))
             found.add(mod)
-            if not node.module:     # `from . import x`: x may be a module
-                found.update(f"{mod}.{a.name}" for a in node.names)
+            found.update(f"{mod}.{a.name}" for a in node.names)    # `from . import x`: x may be a module
     return found
 
 
