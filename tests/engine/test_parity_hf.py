@@ -1,0 +1,130 @@
+"""Parity with Hugging Face transformers (torch, CPU, float32): logits at every position and greedy tokens."""
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from turbospark_wsgi.engine.loader import load_model  # noqa: E402
+
+PROMPT = [1, 40, 72, 101, 108, 108, 111, 260, 263, 32, 119, 111, 114, 108, 100, 33, 7, 200, 3, 50]
+TOL = 1e-3
+GREEDY_STEPS = 32
+_CONFIG_ONLY = ("architectures", "model_type", "torch_dtype")
+
+
+@pytest.fixture(autouse=True)
+def _one_torch_thread():
+    # NOTE(threads): torch's spinning OpenMP threads collapse when the cores are shared with other jobs
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def hf_from_state(tiny):
+    """A transformers LlamaForCausalLM holding exactly the values the tiny file holds."""
+    kw = {k: v for k, v in tiny.config.items() if k not in _CONFIG_ONLY}
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**kw, attn_implementation="eager"))
+    missing, unexpected = model.load_state_dict({k: torch.from_numpy(v) for k, v in tiny.state.items()},
+                                                strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}
+    if tiny.config["tie_word_embeddings"]:
+        assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    return model.eval()
+
+
+def hf_logits(model, ids):
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].numpy()
+
+
+def hf_greedy(model, ids, steps):
+    with torch.no_grad():
+        # an eos id that never occurs: generation runs all `steps` and eos stays an ordinary token
+        out = model.generate(torch.tensor([ids]), max_new_tokens=steps, do_sample=False,
+                             eos_token_id=10**9, pad_token_id=0)
+    return out[0, len(ids):].tolist()
+
+
+def our_greedy(model, ids, steps):
+    cache = model.new_cache()
+    logits, out = model.forward(ids, cache), []
+    for _ in range(steps):
+        out.append(int(np.argmax(logits)))
+        logits = model.forward([out[-1]], cache)
+    return out
+
+
+def assert_parity(loaded, hf_model, prompt=PROMPT):
+    model = loaded.model
+    cache = model.new_cache()
+    split = len(prompt) // 3                            # two chunks: the second reads the cache
+    ours = np.concatenate([model.forward(prompt[:split], cache, logits="all"),
+                           model.forward(prompt[split:], cache, logits="all")])
+    ref = hf_logits(hf_model, prompt)
+    assert ours.shape == ref.shape and ours.dtype == np.float32
+    assert np.abs(ours - ref).max() <= TOL
+    assert cache.length == len(prompt)
+    greedy = our_greedy(model, prompt, GREEDY_STEPS)
+    assert greedy == hf_greedy(hf_model, prompt, GREEDY_STEPS)
+    cache = model.new_cache()                           # the last decode position, after a "none" prefill
+    assert model.forward(prompt + greedy[:-1], cache, logits="none") is None
+    last = model.forward(greedy[-1:], cache)
+    assert np.abs(hf_logits(hf_model, prompt + greedy)[-1] - last).max() <= TOL
+
+
+@pytest.mark.parametrize("qtype, tied, n_kv_head", [
+    ("F32", False, 2),      # GQA, kv_mul 2, separate head
+    ("F32", True, 1),       # kv_mul 4, tied head
+    ("Q8_0", True, 2),
+    ("Q4_1", False, 4),     # plain multi-head attention
+    ("F16", False, 2),
+])
+def test_gguf_matches_transformers(tiny_gguf, qtype, tied, n_kv_head):
+    tiny = tiny_gguf(qtype=qtype, tied=tied, n_kv_head=n_kv_head)
+    loaded = load_model(tiny.path, device="cpu")
+    assert loaded.kind == "gguf" and loaded.config.tied_embeddings == tied
+    assert_parity(loaded, hf_from_state(tiny))
+
+
+def test_gguf_linear_rope_scaling_matches_transformers(tiny_gguf):
+    tiny = tiny_gguf(rope_scaling={"rope_type": "linear", "factor": 4.0}, rope_theta=500.0)
+    loaded = load_model(tiny.path, device="cpu")
+    assert loaded.config.rope_scaling == {"type": "linear", "factor": 4.0}
+    assert_parity(loaded, hf_from_state(tiny))
+
+
+@pytest.mark.parametrize("kw", [
+    {},
+    {"tied": True, "n_kv_head": 1, "shards": 3},
+    {"rope_scaling": {"rope_type": "linear", "factor": 2.0}},
+    {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 16}, "rope_theta": 50.0},
+    {"dtype": "F16"},
+    {"dtype": "BF16", "tied": True},
+])
+def test_hf_dir_matches_transformers(tiny_hf_dir, kw):
+    tiny = tiny_hf_dir(**kw)
+    loaded = load_model(tiny.path, device="cpu")
+    assert loaded.kind == "hf" and loaded.metadata["config"] == tiny.config
+    reference = transformers.AutoModelForCausalLM.from_pretrained(
+        tiny.path, dtype=torch.float32, attn_implementation="eager").eval()
+    assert_parity(loaded, reference)
+
+
+def test_dir_saved_by_transformers_loads(tiny_gguf, tmp_path):
+    """A directory written by save_pretrained (rope_parameters, transformers' own layout)."""
+    reference = hf_from_state(tiny_gguf(tied=True, rope_scaling={"rope_type": "linear", "factor": 2.0}))
+    reference.save_pretrained(tmp_path / "saved")
+    assert_parity(load_model(tmp_path / "saved", device="cpu"), reference)
+
+
+@pytest.mark.slow
+def test_default_model_matches_transformers(default_gguf):
+    """The real SmolLM2-135M Q4_1 GGUF, dequantized by transformers itself."""
+    reference = transformers.AutoModelForCausalLM.from_pretrained(
+        default_gguf.parent, gguf_file=default_gguf.name, dtype=torch.float32, attn_implementation="eager").eval()
+    loaded = load_model(default_gguf, device="cpu")
+    prompt = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3575, 2, 198, 1, 4093, 198, 504, 3575, 282]
+    assert_parity(loaded, reference, prompt)

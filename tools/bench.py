@@ -1,0 +1,79 @@
+"""Engine throughput: prefill tok/s on a 512-token prompt and single-stream greedy decode tok/s.
+
+    python tools/bench.py [--model PATH] [--repeats 3] [--device auto|cpu|cuda]
+"""
+import argparse
+import os
+import resource
+import statistics
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from turbospark_wsgi.engine.loader import load_model  # noqa: E402
+
+DEFAULT_MODEL = os.path.join(os.environ.get("TURBOSPARK_MODELS", "~/.cache/turbospark/models"),
+                             "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=os.path.expanduser(DEFAULT_MODEL))
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--prompt-tokens", type=int, default=512)
+    p.add_argument("--decode-steps", type=int, default=128)
+    return p.parse_args(argv)
+
+
+def bench_prefill(model, n_tokens, rng):
+    """tok/s of one prompt of n_tokens random ids into a fresh cache (last logits only)."""
+    ids = rng.integers(0, model.cfg.vocab_size, n_tokens)
+    cache = model.new_cache(n_tokens)
+    t0 = time.perf_counter()
+    model.forward(ids, cache, logits="last")
+    return n_tokens / (time.perf_counter() - t0)
+
+
+def bench_decode(model, steps, rng):
+    """tok/s of `steps` greedy decode steps after an untimed 16-token prefill."""
+    cache = model.new_cache(16 + steps)
+    logits = model.forward(rng.integers(0, model.cfg.vocab_size, 16), cache)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        logits = model.forward([int(np.argmax(logits))], cache)
+    return steps / (time.perf_counter() - t0)
+
+
+def summary(values):
+    return f"{statistics.median(values):7.1f} tok/s (min {min(values):.1f}, max {max(values):.1f})"
+
+
+def run_engine_bench(args):
+    t0 = time.perf_counter()
+    loaded = load_model(args.model, device=args.device)
+    print(f"model {args.model}\nbackend {loaded.backend} ({loaded.backend_reason}); "
+          f"load {time.perf_counter() - t0:.2f} s")
+    rng = np.random.default_rng(0)
+    bench_decode(loaded.model, 4, rng)                     # warm-up: page in weights, rope tables
+    prefill, decode = [], []
+    for _ in range(args.repeats):
+        prefill.append(bench_prefill(loaded.model, args.prompt_tokens, rng))
+        decode.append(bench_decode(loaded.model, args.decode_steps, rng))
+    print(f"prefill {args.prompt_tokens} tokens: {summary(prefill)}")
+    print(f"decode {args.decode_steps} steps:     {summary(decode)}")
+    print(f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB; "
+          f"load average {os.getloadavg()[0]:.2f}")
+    return {"prefill": prefill, "decode": decode}
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    run_engine_bench(args)
+
+
+if __name__ == "__main__":
+    main()
