@@ -126,10 +126,13 @@ def store_gguf_tensor(writer, name, w, qtype):
     return quants.dequantize(q, qt).reshape(w.shape).astype(np.float32)
 
 
-def write_gguf(path, cfg, state, qtype="F32"):
-    """Writes a llama GGUF the way llama.cpp's converter lays it out; returns the held values."""
+def write_gguf(path, cfg, state, qtype="F32", drop=(), raw=None, arch="llama"):
+    """Writes a llama GGUF the way llama.cpp's converter lays it out; returns the held values.
+    drop: GGUF tensor names to leave out; raw: {GGUF name: (uint8 rows, GGMLQuantizationType)} to
+    store instead of the computed tensor (for unsupported-type tests)."""
     import gguf
-    w = gguf.GGUFWriter(str(path), "llama")
+    raw = raw or {}
+    w = gguf.GGUFWriter(str(path), arch)
     w.add_name("tiny-llama")
     w.add_block_count(cfg["num_hidden_layers"])
     w.add_context_length(cfg["max_position_embeddings"])
@@ -147,7 +150,12 @@ def write_gguf(path, cfg, state, qtype="F32"):
     _add_gguf_tokenizer(w)
     held = {}
     for name, value in state.items():
-        if name.endswith(("q_proj.weight", "k_proj.weight")):
+        if gguf_name(name) in drop:
+            continue
+        if gguf_name(name) in raw:
+            data, qt = raw[gguf_name(name)]
+            w.add_tensor(gguf_name(name), data, raw_dtype=qt)
+        elif name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = cfg["num_attention_heads" if "q_proj" in name else "num_key_value_heads"]
             stored = store_gguf_tensor(w, gguf_name(name), llama_cpp_permute(value, heads), qtype)
             # row permutation commutes with row-wise block quantization: undo it on the held values
@@ -224,11 +232,13 @@ def _write_hf_tokenizer(directory):
 
 @pytest.fixture
 def tiny_gguf(tmp_path):
-    """Factory: tiny_gguf(qtype="F32", tied=False, n_kv_head=2, rope_scaling=None, seed=0, name=..., **cfg)."""
-    def make(qtype="F32", tied=False, n_kv_head=2, rope_scaling=None, seed=0, name=None, **overrides):
+    """Factory: tiny_gguf(qtype="F32", tied=False, n_kv_head=2, rope_scaling=None, seed=0, name=...,
+    drop=(), raw=None, arch="llama", **config_overrides) -> TinyModel."""
+    def make(qtype="F32", tied=False, n_kv_head=2, rope_scaling=None, seed=0, name=None,
+             drop=(), raw=None, arch="llama", **overrides):
         cfg = hf_config(n_kv_head, tied, rope_scaling, **overrides)
         path = tmp_path / (name or f"tiny-{qtype}-{seed}.gguf")
-        held = write_gguf(path, cfg, random_state(cfg, seed), qtype)
+        held = write_gguf(path, cfg, random_state(cfg, seed), qtype, drop, raw, arch)
         return TinyModel(path, cfg, held)
     return make
 

@@ -1,0 +1,104 @@
+"""The forward pass's pieces against written-out math, and the KV cache's contract."""
+import numpy as np
+import pytest
+
+from turbospark_wsgi.engine import model as model_mod
+from turbospark_wsgi.engine.kv_cache import KVCache
+from turbospark_wsgi.engine.loader import load_model
+from turbospark_wsgi.engine.model import rms_norm, rope, swiglu
+
+
+def naive_attention(q, keys, vals, pos):
+    """Per head, per query: softmax over visible keys (q already scaled). q [T, H, D], keys [L, G, D]."""
+    T, H, D = q.shape
+    G = keys.shape[1]
+    out = np.zeros((T, H, D))
+    for t in range(T):
+        for h in range(H):
+            kv = h // (H // G)
+            s = keys[:pos + t + 1, kv] @ q[t, h]
+            p = np.exp(s - s.max())
+            out[t, h] = p @ vals[:pos + t + 1, kv] / p.sum()
+    return out.reshape(T, H * D)
+
+
+@pytest.mark.parametrize("T, pos, H, G", [(1, 0, 4, 2), (1, 9, 6, 3), (300, 0, 4, 2), (140, 37, 6, 1), (5, 3, 4, 4)])
+def test_blocked_attention_matches_naive(tiny_gguf, T, pos, H, G):
+    rng = np.random.default_rng(T + pos)
+    m = load_model(tiny_gguf().path).model
+    q = rng.standard_normal((T, H, 8)).astype(np.float32)
+    keys = rng.standard_normal((pos + T, G, 8)).astype(np.float32)
+    vals = rng.standard_normal((pos + T, G, 8)).astype(np.float32)
+    got = m._attention(q, keys, vals, pos)
+    assert np.abs(got - naive_attention(q, keys, vals, pos)).max() < 1e-5
+
+
+def test_rope_rotates_halves_by_position_angles():
+    rng = np.random.default_rng(0)
+    T, heads, D, rot = 3, 2, 8, 6
+    x = rng.standard_normal((T, heads, D)).astype(np.float32)
+    ang = rng.uniform(-3, 3, (T, 1, rot // 2))
+    got = rope(x, np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32), rot, np)
+    z = (x[..., :rot // 2] + 1j * x[..., rot // 2:rot]) * np.exp(1j * ang)   # pair (i, i+rot/2) as complex
+    assert np.allclose(got[..., :rot // 2], z.real, atol=1e-5)
+    assert np.allclose(got[..., rot // 2:rot], z.imag, atol=1e-5)
+    assert np.array_equal(got[..., rot:], x[..., rot:])
+
+
+def test_swiglu_and_rms_norm():
+    g = np.array([[-200.0, -3.0, 0.0, 2.5, 90.0]], dtype=np.float32)
+    u = np.array([[1.0, 2.0, 3.0, -1.0, 0.5]], dtype=np.float32)
+    with np.errstate(over="ignore"):
+        expect = g / (1.0 + np.exp(-g.astype(np.float64))) * u
+    assert np.allclose(swiglu(np.concatenate([g, u], axis=1), 5, np), expect, rtol=1e-6, atol=1e-6)
+    x = np.array([[3.0, 4.0], [0.0, 1e-3]], dtype=np.float32)
+    w = np.array([2.0, 0.5], dtype=np.float32)
+    expect = x / np.sqrt((x.astype(np.float64) ** 2).mean(axis=1, keepdims=True) + 1e-5) * w
+    assert np.allclose(rms_norm(x, w, 1e-5, np), expect, rtol=1e-6)
+
+
+def test_long_prefill_equals_token_by_token(tiny_gguf, monkeypatch):
+    monkeypatch.setattr(model_mod, "ATTN_BLOCK", 16)      # many blocks, a ragged last one
+    m = load_model(tiny_gguf(n_kv_head=1).path).model
+    ids = np.random.default_rng(3).integers(0, m.cfg.vocab_size, 70)
+    bulk = m.forward(ids, m.new_cache(), logits="all")
+    cache = m.new_cache()
+    steps = np.stack([m.forward([t], cache) for t in ids])
+    assert np.abs(bulk - steps).max() < 1e-4
+
+
+def test_cache_prefix_reuse_equals_fresh_run(tiny_gguf):
+    m = load_model(tiny_gguf().path).model
+    a, b, c = [5, 70, 9, 33, 120, 7], [44, 45, 46], [99, 100, 3, 4]
+    cache = m.new_cache(64)
+    m.forward(a + b, cache, logits="none")
+    cache.truncate(len(a))
+    reused = m.forward(c, cache, logits="all")
+    fresh = m.forward(a + c, m.new_cache(64), logits="all")[len(a):]
+    assert np.array_equal(reused, fresh)
+    assert cache.length == len(a + c)
+    cache.reset()
+    assert cache.length == 0
+    assert np.array_equal(m.forward(a + c, cache, logits="all")[len(a):], fresh)
+
+
+def test_cache_bounds():
+    cache = KVCache(2, 8, 1, 4, np)
+    assert cache.k.shape == cache.v.shape == (2, 8, 1, 4)
+    k, v = cache.update(1, 0, np.ones((3, 1, 4)), np.full((3, 1, 4), 2.0))
+    assert k.shape == (3, 1, 4) and v[2, 0, 0] == 2.0 and cache.length == 0   # the model advances length
+    with pytest.raises(ValueError, match="overflow"):
+        cache.update(0, 6, np.ones((3, 1, 4)), np.ones((3, 1, 4)))
+    with pytest.raises(ValueError):
+        cache.truncate(1)
+
+
+def test_forward_refuses_overflow_and_empty_input(tiny_gguf):
+    m = load_model(tiny_gguf().path).model
+    cache = m.new_cache(4)
+    with pytest.raises(ValueError):
+        m.forward([1, 2, 3, 4, 5], cache)
+    with pytest.raises(ValueError):
+        m.forward([], cache)
+    assert cache.length == 0
+    assert m.forward([1, 2], cache, logits="all").shape == (2, m.cfg.vocab_size)
