@@ -2,6 +2,7 @@
 from pathlib import Path
 
 from .chat_template import ChatTemplate
+from .constraints import ConstraintCompiler
 from .generate import Generation
 from .loader import load_model
 from .sampling import log_softmax, top_n
@@ -33,6 +34,7 @@ class Engine:
         self.prefill_chunk = prefill_chunk
         self.template = ChatTemplate(tokenizer.chat_template, tokenizer.bos_token, tokenizer.eos_token) \
             if tokenizer.chat_template else ChatTemplate.fallback(tokenizer.bos_token, tokenizer.eos_token)
+        self._constraints = ConstraintCompiler(tokenizer, self.config.vocab_size)
         self._cache = None          # allocated on first use (on the compute thread)
         self._cached_ids = []       # tokens whose K/V are in self._cache, in order
 
@@ -50,6 +52,11 @@ class Engine:
         # the rendered text does not already start with it.
         text = self.render_chat(messages, tools=tools, add_generation_prompt=add_generation_prompt, **kwargs)
         return self.tokenizer.encode(text, add_bos=self.tokenizer.add_bos)
+
+    def compile_grammar(self, grammar):
+        """A compiled grammar (`.start()` -> Constraint for SamplingParams.constraint); ValueError
+        naming the problem when the spec (llguidance JSON grammar format) cannot compile."""
+        return self._constraints.compile(grammar)
 
     def generate(self, prompt_ids, params, should_stop=None):
         """Events for one run (see engine/__init__); one forward pass per `next()`."""

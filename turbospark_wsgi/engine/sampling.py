@@ -2,7 +2,8 @@
 
 Order per step: logit_bias, repetition penalty (prompt + output), presence/frequency penalties
 (output only), then temperature 0 -> argmax, else temperature, top_k, top_p, min_p and a draw from
-the request's own RNG. Log-probabilities are reported from the model's raw logits.
+the request's own RNG. A constraint (structured output) masks disallowed tokens to -inf just before the
+choice and is advanced with the chosen token. Log-probabilities are reported from the model's raw logits.
 """
 from dataclasses import dataclass, field
 
@@ -25,6 +26,7 @@ class SamplingParams:
     stop: tuple = ()                    # stop strings, matched on text
     stop_token_ids: tuple = ()          # extra ids that end the run (besides the model's eos/end-of-turn)
     ignore_eos: bool = False
+    constraint: object = None           # engine.constraints.Constraint (allowed_mask/advance/is_done) or None
 
 
 def log_softmax(logits):
@@ -55,7 +57,12 @@ class Sampler:
     def __call__(self, logits):
         """logits: [V] float32 -> (token id, logprob | None, top logprobs | None)."""
         p = self.params
-        token = self._choose(self._process(logits))
+        x = self._process(logits)
+        if p.constraint is not None:
+            x = np.where(p.constraint.allowed_mask(), x, -np.inf)
+        token = self._choose(x)
+        if p.constraint is not None:
+            p.constraint.advance(token)
         self.seen.add(token)
         self.counts[token] = self.counts.get(token, 0) + 1
         if p.logprobs is None:
@@ -86,7 +93,8 @@ class Sampler:
         if p.temperature <= 0:
             return int(np.argmax(x))
         ids, probs = candidates(x, p.temperature, p.top_k, p.top_p, p.min_p)
-        return int(ids[np.searchsorted(np.cumsum(probs), self.rng.random() * probs.sum(), side="right").clip(max=len(ids) - 1)])
+        cum = np.cumsum(probs)
+        return int(ids[np.searchsorted(cum, self.rng.random() * cum[-1], side="right").clip(max=len(ids) - 1)])
 
 
 def candidates(x, temperature, top_k=0, top_p=1.0, min_p=0.0):
@@ -98,6 +106,9 @@ def candidates(x, temperature, top_k=0, top_p=1.0, min_p=0.0):
         ids = np.arange(z.shape[0])
     ids = ids[np.argsort(-z[ids], kind="stable")]          # best first
     probs = np.exp(z[ids] - z[ids[0]])                     # [K], probs[0] == 1
+    if not probs[-1] > 0:                                  # masked (-inf) or underflowed tokens never win
+        keep = probs > 0
+        ids, probs = ids[keep], probs[keep]
     if min_p > 0:
         keep = probs >= min_p                              # relative to the best token
         ids, probs = ids[keep], probs[keep]

@@ -1,0 +1,85 @@
+"""Constrained decoding: a grammar compiled against the model's tokenizer, one matcher per sequence.
+
+    compiler = ConstraintCompiler(tokenizer, vocab_size)     # one per engine; builds llguidance's tokenizer once
+    grammar = compiler.compile({"grammars": [{"json_schema": {...}}]})   # ValueError names the problem
+    c = grammar.start()                                      # a fresh Constraint for one sequence
+    mask = c.allowed_mask()                                  # bool[V]; the Sampler sets the rest to -inf
+    c.advance(token)                                         # after the choice; c.is_done() at the end
+
+The grammar spec is llguidance's JSON grammar format (`{"grammars": [{"json_schema": ...} |
+{"lark_grammar": "..."}]}`), so callers describe what they want without importing the library.
+"""
+import json
+import threading
+
+import numpy as np
+
+
+class ConstraintCompiler:
+    """Compiles grammar specs for one tokenizer; the llguidance tokenizer is built on first use."""
+
+    def __init__(self, tokenizer, vocab_size):
+        self._tokenizer = tokenizer
+        self._vocab = int(vocab_size)
+        self._ll = None
+        self._lock = threading.Lock()
+
+    def compile(self, grammar):
+        """A `Grammar` for the spec (a dict or its JSON text); ValueError when it cannot compile."""
+        import llguidance
+        spec = grammar if isinstance(grammar, str) else json.dumps(grammar)
+        matcher = llguidance.LLMatcher(self.ll_tokenizer(), spec, log_level=0)
+        if matcher.is_error():
+            raise ValueError(_short(matcher.get_error()))
+        return Grammar(matcher, self._vocab)
+
+    def ll_tokenizer(self):
+        # NOTE(llg-tokenizer): building it walks the whole vocabulary (~0.1-1 s): once per engine.
+        with self._lock:
+            if self._ll is None:
+                import llguidance
+                eos = self._tokenizer.eos_id
+                self._ll = llguidance.LLTokenizer(self._tokenizer.backend.to_str(), n_vocab=self._vocab,
+                                                  eos_token=eos if eos is not None else None)
+            return self._ll
+
+
+class Grammar:
+    """A compiled grammar; `start()` gives each sequence its own matcher state."""
+
+    def __init__(self, matcher, vocab_size):
+        self._matcher = matcher
+        self._vocab = vocab_size
+
+    def start(self):
+        return Constraint(self._matcher.deep_copy(), self._vocab)
+
+
+class Constraint:
+    """The grammar state of one sequence: which tokens may come next."""
+
+    def __init__(self, matcher, vocab_size):
+        self._m = matcher
+        self._vocab = vocab_size
+        self._bits = np.zeros((vocab_size + 31) // 32, dtype=np.int32)
+
+    def allowed_mask(self):
+        """bool[V]: True where the token keeps the output inside the grammar (EOS once it may end)."""
+        self._m.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
+        if self._m.is_error():
+            raise RuntimeError(f"constraint failed: {_short(self._m.get_error())}")
+        bits = np.unpackbits(self._bits.view(np.uint8), bitorder="little")     # [32 * words]
+        return bits[:self._vocab].astype(bool)
+
+    def advance(self, token):
+        if not self._m.consume_token(int(token)):
+            raise RuntimeError(f"constraint rejected token {token}: {_short(self._m.get_error())}")
+
+    def is_done(self):
+        """True once the grammar is complete and only the end of the sequence may follow."""
+        return self._m.is_stopped() or self._m.is_accepting() and not self.allowed_mask().sum() > 1
+
+
+def _short(message, limit=400):
+    message = " ".join(str(message).split())
+    return message if len(message) <= limit else message[:limit] + "..."
