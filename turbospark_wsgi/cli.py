@@ -152,7 +152,7 @@ def installed_models(directory):
 def resolve_model(name, directory):
     """A path for `name`: a known name (pulled if missing), an installed id or alias, or a path."""
     if name in pulling.SOURCES:
-        pulling.pull(name, directory, progress=True)
+        pulling.pull(name, directory, progress=not pulling.target_path(name, directory).is_file())
     path = _registry(directory, model=name).find(name)
     if path is None:
         return pulling.pull(name, directory)      # raises, naming the known names
