@@ -1,9 +1,9 @@
-"""The prefill/decode loop, driven by a scripted model and a one-character-per-token tokenizer."""
+"""The scheduler's prefill/decode loop, driven by a scripted model and a one-character-per-token tokenizer."""
 import numpy as np
 import pytest
 
 from turbospark_wsgi.engine.events import Finish, Prefill, Token
-from turbospark_wsgi.engine.generate import Generation
+from turbospark_wsgi.engine.generate import Scheduler
 from turbospark_wsgi.engine.sampling import SamplingParams
 
 ALPHABET = "abcdefghijklmnopqrstuvwxyz <>|/"
@@ -20,6 +20,9 @@ class Cache:
         self.length = n
         del self.tokens[n:]
 
+    def reset(self):
+        self.truncate(0)
+
 
 class ScriptedModel:
     """Next token = script[position]; logits favour it strongly. Records every forward call."""
@@ -27,15 +30,29 @@ class ScriptedModel:
     def __init__(self, script):
         self.script = script
         self.calls = []
+        self.batches = []
+
+    def new_cache(self, max_seq):
+        return Cache(max_seq)
 
     def forward(self, tokens, cache, logits="last"):
         self.calls.append(list(tokens))
         cache.tokens.extend(tokens)
         cache.length += len(tokens)
-        if logits == "none":
-            return None
+        return None if logits == "none" else self._logits(cache)
+
+    def decode_batch(self, tokens, caches):
+        self.batches.append(len(tokens))
+        for t, cache in zip(tokens, caches):
+            self.calls.append([t])
+            cache.tokens.append(t)
+            cache.length += 1
+        return np.stack([self._logits(c) for c in caches])
+
+    def _logits(self, cache):
+        script = self.script(cache) if callable(self.script) else self.script
         out = np.zeros(V, dtype=np.float32)
-        out[self.script[cache.length - 1] if cache.length - 1 < len(self.script) else EOS] = 10.0
+        out[script[cache.length - 1] if cache.length - 1 < len(script) else EOS] = 10.0
         return out
 
 
@@ -56,10 +73,21 @@ def ids(text):
     return [ALPHABET.index(c) for c in text]
 
 
-def run(model, prompt, params, cache=None, cached_ids=None, **kw):
-    cache = cache or Cache(64)
-    g = Generation(model, cache, CharTokenizer(), prompt, params, cached_ids=cached_ids, **kw)
-    return list(g)
+def scheduler(model, max_batch=1, max_context=64, chunk=4):
+    return Scheduler(model, CharTokenizer(), max_batch=max_batch, max_context=max_context, chunk=chunk)
+
+
+def drain(sched, seq):
+    events = []
+    while not events or not isinstance(events[-1], Finish):
+        events += sched.poll(seq)
+    sched.release(seq)
+    return events
+
+
+def run(model, prompt, params, sched=None, should_stop=None, **kw):
+    sched = sched or scheduler(model, **kw)
+    return drain(sched, sched.add(prompt, params, should_stop))
 
 
 def text_of(events):
@@ -88,7 +116,7 @@ def test_length_limit():
 def test_prefill_runs_in_chunks_and_reports_progress():
     prompt = ids("abcdefghij")
     model = ScriptedModel(script_for(prompt, "x"))
-    events = run(model, prompt, SamplingParams(temperature=0, max_new_tokens=1), prefill_chunk=4)
+    events = run(model, prompt, SamplingParams(temperature=0, max_new_tokens=1), chunk=4)
     assert [e.done for e in events if isinstance(e, Prefill)] == [0, 4, 8, 10]
     assert [len(c) for c in model.calls] == [4, 4, 2]
 
@@ -112,39 +140,108 @@ def test_cancel_between_prefill_chunks_and_decode_steps():
         return flag["n"] > 1
 
     model = ScriptedModel(script_for(prompt, "xyz"))
-    events = run(model, prompt, SamplingParams(temperature=0, max_new_tokens=5), should_stop=should_stop, prefill_chunk=4)
+    events = run(model, prompt, SamplingParams(temperature=0, max_new_tokens=5), should_stop=should_stop, chunk=4)
     assert events[-1].reason == "cancelled" and len(model.calls) == 1
 
 
-def test_prefix_reuse_skips_cached_tokens_and_gives_the_same_output():
-    cache, cached = Cache(64), []
-    first = ids("the cat ")
-    model = ScriptedModel(script_for(first, "sat") + [0] * 20)
-    a = run(model, first, SamplingParams(temperature=0, max_new_tokens=3), cache=cache, cached_ids=cached)
-    second = first + ids("sat on")
-    model.script = script_for(second, "mat")
+def test_prefix_reuse_takes_whole_aligned_chunks_and_gives_the_same_output():
+    first = ids("the cat sat ")                 # 12 tokens: 3 whole chunks of 4
+    second = first + ids("on the")
+    model = ScriptedModel(lambda cache: script_for(cache.tokens, "x"))
+    sched = scheduler(model, chunk=4)
+    a = run(model, first, SamplingParams(temperature=0, max_new_tokens=1), sched=sched)
     model.calls.clear()
-    b = run(model, second, SamplingParams(temperature=0, max_new_tokens=3), cache=cache, cached_ids=cached)
-    assert text_of(a) == "sat" and text_of(b) == "mat"
-    assert b[-1].cached_tokens == len(first) + 2          # the prompt plus the two forwarded outputs
-    assert model.calls[0] == ids("t on")
-    assert cache.tokens[:len(second)] == second
+    b = run(model, second, SamplingParams(temperature=0, max_new_tokens=1), sched=sched)
+    assert text_of(a) == "x" and text_of(b) == "x"
+    assert b[-1].cached_tokens == 12               # whole chunks of the first prompt, not its output
+    assert model.calls[0] == second[12:16]
 
 
-def test_identical_prompt_still_recomputes_the_last_token():
-    cache, cached = Cache(64), []
-    prompt = ids("abc")
+def test_prefix_reuse_never_covers_the_last_prompt_token():
+    prompt = ids("abcdefgh")                     # 2 whole chunks of 4
     model = ScriptedModel(script_for(prompt, "x"))
-    run(model, prompt, SamplingParams(temperature=0, max_new_tokens=1), cache=cache, cached_ids=cached)
+    sched = scheduler(model, chunk=4)
+    run(model, prompt, SamplingParams(temperature=0, max_new_tokens=1), sched=sched)
     model.calls.clear()
-    events = run(model, prompt, SamplingParams(temperature=0, max_new_tokens=1), cache=cache, cached_ids=cached)
-    assert model.calls[0] == [prompt[-1]] and events[-1].cached_tokens == 2
+    events = run(model, prompt, SamplingParams(temperature=0, max_new_tokens=1), sched=sched)
+    assert model.calls[0] == prompt[4:] and events[-1].cached_tokens == 4
+
+
+def test_partial_chunks_and_decoded_tokens_are_not_reused():
+    prompt = ids("abcdef")                       # one whole chunk + a partial one
+    model = ScriptedModel(script_for(prompt, "xyz"))
+    sched = scheduler(model, chunk=4)
+    run(model, prompt, SamplingParams(temperature=0, max_new_tokens=3), sched=sched)
+    events = run(model, prompt + ids("xy"), SamplingParams(temperature=0, max_new_tokens=1), sched=sched)
+    assert events[-1].cached_tokens == 4
+
+
+def test_concurrent_sequences_share_decode_steps_and_match_solo_runs():
+    prompts = [ids("ab"), ids("hello wor"), ids("zz")]
+
+    def script(cache):
+        return [(t * 7 + 3) % EOS for t in cache.tokens] + [0] * 40
+
+    solo = [text_of(run(ScriptedModel(script), p, SamplingParams(temperature=0, max_new_tokens=6))) for p in prompts]
+    model = ScriptedModel(script)
+    sched = scheduler(model, max_batch=3)
+    seqs = [sched.add(p, SamplingParams(temperature=0, max_new_tokens=6)) for p in prompts]
+    outs = [[] for _ in seqs]
+    while any(not o or not isinstance(o[-1], Finish) for o in outs):
+        for seq, out in zip(seqs, outs):
+            if not out or not isinstance(out[-1], Finish):
+                out += sched.poll(seq)
+    assert [text_of(o) for o in outs] == solo
+    assert max(model.batches) == 3
+
+
+def test_cancelling_one_sequence_leaves_the_others_untouched():
+    def script(cache):
+        return [(t * 5 + 1) % EOS for t in cache.tokens] + [0] * 40
+
+    solo = text_of(run(ScriptedModel(script), ids("abc"), SamplingParams(temperature=0, max_new_tokens=8)))
+    model = ScriptedModel(script)
+    sched = scheduler(model, max_batch=2)
+    stop = {"b": False}
+    keep = sched.add(ids("abc"), SamplingParams(temperature=0, max_new_tokens=8))
+    doomed = sched.add(ids("xyz"), SamplingParams(temperature=0, max_new_tokens=8), lambda: stop["b"])
+    out = sched.poll(keep) + sched.poll(keep)
+    stop["b"] = True
+    gone = sched.poll(doomed)
+    while not isinstance(gone[-1], Finish):
+        gone += sched.poll(doomed)
+    while not isinstance(out[-1], Finish):
+        out += sched.poll(keep)
+    assert gone[-1].reason == "cancelled" and text_of(out) == solo
+
+
+def test_no_free_slot_is_an_error():
+    sched = scheduler(ScriptedModel([0] * 10), max_batch=1)
+    sched.add(ids("ab"), SamplingParams())
+    with pytest.raises(RuntimeError):
+        sched.add(ids("cd"), SamplingParams())
+
+
+def test_a_failing_step_fails_every_running_sequence_and_forgets_caches():
+    class Broken(ScriptedModel):
+        def decode_batch(self, tokens, caches):
+            raise FloatingPointError("boom")
+
+    model = Broken([0] * 10 + ids("abc"))
+    sched = scheduler(model, max_batch=2)
+    a = sched.add(ids("ab"), SamplingParams(temperature=0, max_new_tokens=5))
+    b = sched.add(ids("cd"), SamplingParams(temperature=0, max_new_tokens=5))
+    for seq in (a, b):
+        with pytest.raises(FloatingPointError):
+            while True:
+                sched.poll(seq)
+    assert all(s.ids == [] for s in sched.slots)
 
 
 def test_context_full_ends_with_length():
     prompt = ids("abcd")
     events = run(ScriptedModel(script_for(prompt, "x" * 20)), prompt, SamplingParams(temperature=0, max_new_tokens=50),
-                 cache=Cache(8), max_context=8)
+                 max_context=8)
     assert events[-1].reason == "length" and events[-1].completion_tokens == 5
 
 

@@ -3,26 +3,31 @@ from pathlib import Path
 
 from .chat_template import ChatTemplate
 from .constraints import ConstraintCompiler
-from .generate import Generation
+from .events import Finish
+from .generate import Scheduler
 from .loader import load_model
 from .sampling import log_softmax, top_n
 from .tokenizer import Tokenizer
 
-DEFAULT_PREFILL_CHUNK = 256
+DEFAULT_PREFILL_CHUNK = 64
+DEFAULT_MAX_BATCH = 8
 
 
-def load_engine(path, device="auto", *, name=None, max_context=0, prefill_chunk=DEFAULT_PREFILL_CHUNK):
+def load_engine(path, device="auto", *, name=None, max_context=0, prefill_chunk=DEFAULT_PREFILL_CHUNK,
+                max_batch=DEFAULT_MAX_BATCH):
     """Loads a .gguf file or a Hugging Face directory; errors name the file and the problem."""
     loaded = load_model(path, device=device)
     if loaded.kind == "gguf":
         tokenizer = Tokenizer.from_gguf_metadata(loaded.metadata)
     else:
         tokenizer = Tokenizer.from_hf_dir(path)
-    return Engine(loaded, tokenizer, name=name, max_context=max_context, prefill_chunk=prefill_chunk)
+    return Engine(loaded, tokenizer, name=name, max_context=max_context, prefill_chunk=prefill_chunk,
+                  max_batch=max_batch)
 
 
 class Engine:
-    def __init__(self, loaded, tokenizer, *, name=None, max_context=0, prefill_chunk=DEFAULT_PREFILL_CHUNK):
+    def __init__(self, loaded, tokenizer, *, name=None, max_context=0, prefill_chunk=DEFAULT_PREFILL_CHUNK,
+                 max_batch=DEFAULT_MAX_BATCH):
         self.loaded = loaded
         self.model = loaded.model
         self.config = loaded.config
@@ -35,8 +40,9 @@ class Engine:
         self.template = ChatTemplate(tokenizer.chat_template, tokenizer.bos_token, tokenizer.eos_token) \
             if tokenizer.chat_template else ChatTemplate.fallback(tokenizer.bos_token, tokenizer.eos_token)
         self._constraints = ConstraintCompiler(tokenizer, self.config.vocab_size)
-        self._cache = None          # allocated on first use (on the compute thread)
-        self._cached_ids = []       # tokens whose K/V are in self._cache, in order
+        self.max_batch = max_batch
+        self.scheduler = Scheduler(self.model, tokenizer, max_batch=max_batch,
+                                   max_context=self.max_context, chunk=prefill_chunk)
 
     def encode(self, text, add_bos):
         return self.tokenizer.encode(text, add_bos=add_bos)
@@ -59,35 +65,45 @@ class Engine:
         return self._constraints.compile(grammar)
 
     def generate(self, prompt_ids, params, should_stop=None):
-        """Events for one run (see engine/__init__); one forward pass per `next()`."""
+        """Events for one run (see engine/__init__). Runs that are alive at the same time share
+        decode steps; one `next()` runs at most one step when no event is waiting."""
         prompt_ids = [int(t) for t in prompt_ids]
         self._check_prompt(prompt_ids)
-        cache = self._ensure_cache()
-        return self._run(Generation(self.model, cache, self.tokenizer, prompt_ids, params,
-                                    should_stop=should_stop, prefill_chunk=self.prefill_chunk,
-                                    max_context=self.max_context, cached_ids=self._cached_ids))
+        return self._run(prompt_ids, params, should_stop)
 
-    def _run(self, generation):
+    def _run(self, prompt_ids, params, should_stop):
+        seq = self.scheduler.add(prompt_ids, params, should_stop)
         try:
-            yield from generation
-        except BaseException:
-            self._drop_cache()      # a half-written chunk leaves the cache unknown
-            raise
+            while True:
+                for event in self.scheduler.poll(seq):
+                    yield event
+                    if isinstance(event, Finish):
+                        return
+        finally:
+            self.scheduler.release(seq)
 
     def score(self, prompt_ids, top=0):
         """Log-probability of every prompt token given the ones before it (the first is None)."""
         prompt_ids = [int(t) for t in prompt_ids]
         self._check_prompt(prompt_ids)
-        cache = self._ensure_cache()
-        self._drop_cache()
-        out = [(None, [])]
-        for start in range(0, len(prompt_ids), self.prefill_chunk):
-            piece = prompt_ids[start:start + self.prefill_chunk]
-            lp = log_softmax(self.model.forward(piece, cache, logits="all"))      # [T, V]
-            for row, nxt in zip(lp, prompt_ids[start + 1:start + len(piece) + 1]):
-                out.append((float(row[nxt]), top_n(row, top)))
-        self._cached_ids[:] = prompt_ids
-        return out
+        slot = self.scheduler.acquire(prompt_ids)
+        try:
+            slot.forget()
+            out = [(None, [])]
+            for start in range(0, len(prompt_ids), self.prefill_chunk):
+                piece = prompt_ids[start:start + self.prefill_chunk]
+                lp = log_softmax(self.model.forward(piece, slot.cache, logits="all"))    # [T, V]
+                slot.ids.extend(piece)
+                if len(piece) == self.prefill_chunk:
+                    slot.exact = len(slot.ids)
+                for row, nxt in zip(lp, prompt_ids[start + 1:start + len(piece) + 1]):
+                    out.append((float(row[nxt]), top_n(row, top)))
+            return out
+        except BaseException:
+            slot.forget()
+            raise
+        finally:
+            slot.busy = False
 
     def _check_prompt(self, ids):
         if not ids:
@@ -97,16 +113,6 @@ class Engine:
         bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
         if bad:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary (0..{self.config.vocab_size - 1})")
-
-    def _ensure_cache(self):
-        if self._cache is None:
-            self._cache = self.model.new_cache(self.max_context)
-        return self._cache
-
-    def _drop_cache(self):
-        self._cached_ids.clear()
-        if self._cache is not None:
-            self._cache.reset()
 
 
 def _model_id(path):

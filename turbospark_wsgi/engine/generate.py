@@ -1,7 +1,15 @@
-"""Prefill in chunks, then decode one token per step; events out, a cancel check between steps."""
+"""Sequences and the scheduler: chunked prefill, then decode steps batched across sequences.
+
+Every call runs on one thread (the compute thread). `Scheduler.poll(seq)` returns the events that
+sequence has waiting; when it has none, it runs one step for every active sequence: one prefill
+chunk for the oldest sequence still prefilling, and one batched decode step for all the others.
+So requests that arrive while others decode join the running batch at the next step.
+"""
 from .events import Finish, FinishReason, Prefill, Token
 from .sampling import Sampler
 from .stops import StopMatcher
+
+_PREFILL, _DECODE, _DONE = "prefill", "decode", "done"
 
 
 def common_prefix(a, b):
@@ -13,78 +21,164 @@ def common_prefix(a, b):
     return n
 
 
-class Generation:
-    """One run over one sequence; the caller's `next()` does at most one forward pass."""
+class Slot:
+    """One KV cache and the token ids whose K/V it holds. The first `exact` ids were computed by
+    whole prefill chunks aligned to multiples of the chunk size, so a later prompt that starts with
+    them can reuse them and get bit-for-bit the same numbers as a run without the cache."""
 
-    def __init__(self, model, cache, tokenizer, prompt_ids, params, *, should_stop=None,
-                 prefill_chunk=256, max_context=None, cached_ids=None):
-        self.model, self.cache, self.tokenizer = model, cache, tokenizer
-        self.prompt = list(prompt_ids)
-        self.params = params
+    __slots__ = ("cache", "ids", "exact", "busy")
+
+    def __init__(self, cache):
+        self.cache, self.ids, self.exact, self.busy = cache, [], 0, False
+
+    def reusable(self, prompt, chunk):
+        # NOTE(prefix-cache): the last prompt token always runs, so there are logits to sample from
+        n = min(common_prefix(self.ids, prompt), self.exact, len(prompt) - 1)
+        return n - n % chunk
+
+    def keep(self, n):
+        self.cache.truncate(n)
+        del self.ids[n:]
+        self.exact = min(self.exact, n)
+
+    def forget(self):
+        self.keep(0)
+
+
+class Sequence:
+    """One run: prompt, sampler, detokenizer, stop strings and a slot. Events wait in `events`."""
+
+    def __init__(self, slot, tokenizer, prompt, params, should_stop, chunk, max_context):
+        self.slot, self.prompt, self.params = slot, prompt, params
         self.should_stop = should_stop or (lambda: False)
-        self.chunk = max(1, prefill_chunk)
-        self.max_context = max_context or cache.max_seq
-        self.ids = cached_ids if cached_ids is not None else []   # tokens whose K/V are in the cache
-        self.completion = 0
-        self.cached = 0
+        self.chunk, self.max_context = chunk, max_context
+        self.cached = slot.reusable(prompt, chunk)
+        slot.keep(self.cached)
+        self.sampler = Sampler(params, prompt)
+        self.decoder = tokenizer.incremental_decoder()
+        self.stops = StopMatcher(params.stop)
+        self.end_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(tokenizer.stop_ids))
+        self.state, self.pending, self.completion = _PREFILL, None, 0
+        self.events = [Prefill(self.cached, len(prompt))]
+        self.error = None
 
-    def __iter__(self):
-        logits = yield from self._prefill()
-        if logits is None:
-            return
-        yield from self._decode(logits)
+    @property
+    def finished(self):
+        return self.state == _DONE
 
-    def _prefill(self):
-        # NOTE(prefix-cache): reuse the K/V of the longest common prefix, but always run at least the
-        # last prompt token so there are logits to sample from.
-        self.cached = min(common_prefix(self.ids, self.prompt), len(self.prompt) - 1)
-        self.cache.truncate(self.cached)
-        del self.ids[self.cached:]
-        total, logits = len(self.prompt), None
-        yield Prefill(self.cached, total)
-        for start in range(self.cached, total, self.chunk):
-            if self.should_stop():
-                yield self._finish(FinishReason.CANCELLED)
-                return None
-            piece = self.prompt[start:start + self.chunk]
-            last = start + len(piece) == total
-            logits = self.model.forward(piece, self.cache, logits="last" if last else "none")
-            self.ids.extend(piece)
-            yield Prefill(start + len(piece), total)
-        return logits
+    def prefill_chunk(self, model):
+        start = len(self.slot.ids)
+        piece = self.prompt[start:start + self.chunk]
+        last = start + len(piece) == len(self.prompt)
+        logits = model.forward(piece, self.slot.cache, logits="last" if last else "none")
+        self.slot.ids.extend(piece)
+        if len(piece) == self.chunk:
+            self.slot.exact = len(self.slot.ids)
+        self.events.append(Prefill(len(self.slot.ids), len(self.prompt)))
+        if last:
+            self.state = _DECODE
+            self.accept(logits)
 
-    def _decode(self, logits):
-        p = self.params
-        sample = Sampler(p, self.prompt)
-        decoder = self.tokenizer.incremental_decoder()
-        stops = StopMatcher(p.stop)
-        end_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.tokenizer.stop_ids))
-        while True:
-            token, logprob, top = sample(logits)
-            if token in end_ids:
-                yield self._end(FinishReason.STOP, decoder, stops)
-                return
-            self.completion += 1
-            text, matched = stops.feed(decoder.push(token))
-            yield Token(token, text, logprob, top)
-            if matched is not None:
-                yield self._finish(FinishReason.STOP, stop_string=matched)
-                return
-            if self.completion >= p.max_new_tokens or self.cache.length >= self.max_context:
-                yield self._end(FinishReason.LENGTH, decoder, stops)
-                return
-            if self.should_stop():
-                yield self._finish(FinishReason.CANCELLED)
-                return
-            logits = self.model.forward([token], self.cache, logits="last")
-            self.ids.append(token)
+    def accept(self, logits):
+        """Samples from this step's logits: a Token, or the end of the run."""
+        token, logprob, top = self.sampler(logits)
+        if token in self.end_ids:
+            return self._end(FinishReason.STOP)
+        self.completion += 1
+        text, matched = self.stops.feed(self.decoder.push(token))
+        self.events.append(Token(token, text, logprob, top))
+        if matched is not None:
+            return self._finish(FinishReason.STOP, stop_string=matched)
+        if self.completion >= self.params.max_new_tokens or self.slot.cache.length >= self.max_context:
+            return self._end(FinishReason.LENGTH)
+        self.pending = token
 
-    def _end(self, reason, decoder, stops):
+    def cancel(self):
+        self._finish(FinishReason.CANCELLED)
+
+    def _end(self, reason):
         # held-back text goes out at the end, unless the flushed bytes complete a stop string
-        text, matched = stops.feed(decoder.flush())
+        text, matched = self.stops.feed(self.decoder.flush())
         if matched is None:
-            return self._finish(reason, text + stops.flush())
+            return self._finish(reason, text + self.stops.flush())
         return self._finish(FinishReason.STOP, text, matched)
 
     def _finish(self, reason, text="", stop_string=None):
-        return Finish(reason, text, stop_string, len(self.prompt), self.completion, self.cached)
+        self.state, self.pending = _DONE, None
+        self.events.append(Finish(reason, text, stop_string, len(self.prompt), self.completion, self.cached))
+
+
+class Scheduler:
+    """Up to `max_batch` sequences at once, each in its own slot; slots keep their K/V afterwards
+    so a new prompt goes to the free slot holding its longest reusable prefix."""
+
+    def __init__(self, model, tokenizer, *, max_batch, max_context, chunk):
+        self.model, self.tokenizer = model, tokenizer
+        self.max_batch, self.max_context, self.chunk = max_batch, max_context, chunk
+        self.slots, self.active = [], []
+
+    def add(self, prompt, params, should_stop=None):
+        seq = Sequence(self.acquire(prompt), self.tokenizer, prompt, params, should_stop,
+                       self.chunk, self.max_context)
+        self.active.append(seq)
+        return seq
+
+    def acquire(self, prompt):
+        free = [s for s in self.slots if not s.busy]
+        if not free and len(self.slots) < self.max_batch:
+            free = [Slot(self.model.new_cache(self.max_context))]
+            self.slots.append(free[0])
+        if not free:
+            raise RuntimeError(f"all {self.max_batch} sequence slots are busy")
+        slot = max(free, key=lambda s: s.reusable(prompt, self.chunk))
+        slot.busy = True
+        return slot
+
+    def poll(self, seq):
+        """The events `seq` has waiting, running one step first if it has none."""
+        if not seq.events and not seq.finished:
+            self.step()
+        if seq.error is not None:
+            raise seq.error
+        out, seq.events = seq.events, []
+        return out
+
+    def step(self):
+        for seq in self.active:
+            if seq.should_stop():
+                seq.cancel()
+        decoding = [s for s in self.active if s.pending is not None]
+        prefilling = [s for s in self.active if s.state == _PREFILL]
+        try:
+            if prefilling:
+                prefilling[0].prefill_chunk(self.model)
+            if decoding:
+                self._decode(decoding)
+        except Exception as e:
+            self._fail(e)
+            raise
+        finally:
+            self.active = [s for s in self.active if not s.finished]
+
+    def release(self, seq):
+        """Ends `seq` (if still running) and frees its slot; idempotent."""
+        if not seq.finished:
+            seq.cancel()
+        if seq in self.active:
+            self.active.remove(seq)
+        seq.slot.busy = False
+
+    def _decode(self, seqs):
+        tokens = [s.pending for s in seqs]
+        logits = self.model.decode_batch(tokens, [s.slot.cache for s in seqs])   # [B, vocab]
+        for seq, token, row in zip(seqs, tokens, logits):
+            seq.slot.ids.append(token)
+            seq.accept(row)
+
+    def _fail(self, error):
+        # NOTE(fault): a failed step leaves every cache it touched unknown: forget them all and
+        # fail every running sequence with the same error.
+        for seq in self.active:
+            seq.error, seq.state, seq.pending = error, _DONE, None
+        for slot in self.slots:
+            slot.forget()

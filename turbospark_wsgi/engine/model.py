@@ -49,6 +49,36 @@ class Transformer:
         out = to_host(rms_norm(x, w.norm, c.norm_eps, xp) @ w.head)     # [1 or T, vocab]
         return out[0] if logits == "last" else out
 
+    def decode_batch(self, tokens, caches):
+        """One decode step for B sequences: token b runs at position caches[b].length of its own
+        cache, which advances by one. Returns host float32 logits [B, vocab].
+
+        NOTE(exact-batching): every matmul is a stack of B single-row products and attention runs
+        per sequence, so row b is bit-for-bit what a batch of one computes: batching never changes
+        a sequence's output."""
+        c, w, xp = self.cfg, self.w, self.xp
+        ids = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        B, H, G, D = len(ids), c.n_head, c.n_kv_head, c.head_dim
+        pos = [cache.length for cache in caches]
+        cos, sin = self._rope_table(max(pos) + 1)
+        at = xp.asarray(np.asarray(pos, dtype=np.int64))
+        cos, sin = cos[at], sin[at]                                     # [B, 1, rope_dim/2]
+        x = self._embed(ids)[:, None, :]                                # [B, 1, dim]
+        for i, lw in enumerate(w.layers):
+            h = rms_norm(x, lw.attn_norm, c.norm_eps, xp)               # [B, 1, dim]
+            qkv = (h @ lw.wqkv).reshape(B, H + 2 * G, D)                # [B, H+2G, D]  q|k|v heads
+            qk = rope(qkv[:, :H + G], cos, sin, c.rope_dim, xp)         # [B, H+G, D]
+            att = xp.empty((B, 1, H * D), dtype=x.dtype)                # [B, 1, H*D]
+            for b, cache in enumerate(caches):
+                keys, vals = cache.update(i, pos[b], qk[b:b + 1, H:], qkv[b:b + 1, H + G:])
+                att[b] = self._attention(qk[b:b + 1, :H], keys, vals, pos[b])
+            x += att @ lw.wo                                            # [B, 1, dim]  residual
+            h = rms_norm(x, lw.ffn_norm, c.norm_eps, xp)                # [B, 1, dim]
+            x += swiglu(h @ lw.w_gate_up, c.ffn_dim, xp) @ lw.w_down    # [B, 1, dim]  residual
+        for b, cache in enumerate(caches):
+            cache.length = pos[b] + 1
+        return to_host(rms_norm(x, w.norm, c.norm_eps, xp) @ w.head)[:, 0]   # [B, vocab]
+
     def _embed(self, ids):
         w, xp = self.w, self.xp
         ids = xp.asarray(ids)
@@ -122,11 +152,11 @@ def rope(x, cos, sin, rot, xp):
 def swiglu(gu, ffn_dim, xp):
     """silu(gate) * up for gu = [T, 2*ffn_dim] (gate | up). silu(g) = t * (1 + tanh(t)), t = g/2:
     the same function as g * sigmoid(g), without exp overflow for very negative g."""
-    t = gu[:, :ffn_dim] * 0.5                                          # [T, F]
+    t = gu[..., :ffn_dim] * 0.5                                        # [T, F]
     a = xp.tanh(t)
     a += 1.0
     a *= t
-    a *= gu[:, ffn_dim:]
+    a *= gu[..., ffn_dim:]
     return a
 
 
