@@ -1,4 +1,5 @@
-"""The process-wide FIFO lock queue: one generation runs, up to `max_waiting` wait in ticket order.
+"""The process-wide FIFO lock queue: up to `slots` generations run (they share batched decode
+steps in the engine), up to `max_waiting` more wait in ticket order.
 
     ticket = queue.enqueue(cancel)          # Overloaded (503 + Retry-After) when the queue is full
     while not ticket.wait(keepalive):       # True: this ticket holds the lock
@@ -13,12 +14,22 @@ monkey-patching (a cooperative lock); tests use real threads.
 import contextlib
 import threading
 import time
+import weakref
 from collections import deque
 
 from .errors import Overloaded
 
 _WAITING, _HOLDING, _DONE = "waiting", "holding", "done"
 _guard = threading.Lock()   # NOTE(fork): only guards the lazy creation below, never held across a switch
+_queues = weakref.WeakSet()     # every LockQueue of this process, for shut_down_all()
+SHUTTING_DOWN = "the server is shutting down; retry the request (another replica can serve it)"
+
+
+def shut_down_all():
+    """Graceful shutdown (SIGTERM): every queue refuses new tickets and drops its waiters with a
+    503; generations already running keep their slots and finish."""
+    for queue in list(_queues):
+        queue.shut_down()
 
 
 class Cancelled(Exception):
@@ -61,29 +72,40 @@ class Ticket:
 
 
 class LockQueue:
-    """FIFO ticket lock with a bound on waiters and an optional wait timeout (0 = none)."""
+    """FIFO ticket lock with `slots` holders, a bound on waiters and an optional wait timeout (0 = none)."""
 
-    def __init__(self, max_waiting=16, timeout=0.0, retry_after=1):
+    def __init__(self, max_waiting=16, timeout=0.0, retry_after=1, slots=1):
+        self.slots = max(1, int(slots))
         self.max_waiting = max_waiting
         self.timeout = timeout
         self.retry_after = retry_after
         self._cond = None
-        self._tickets = deque()     # the head owns the lock; the rest wait in order
+        self._tickets = deque()     # the first `slots` hold the lock; the rest wait in order
+        self.shutting_down = False
+        _queues.add(self)
 
     @property
     def depth(self):
-        """Requests waiting for their turn (not counting the one running)."""
-        return max(len(self._tickets) - 1, 0)
+        """Requests waiting for their turn (not counting the running ones)."""
+        return max(len(self._tickets) - self.slots, 0)
 
     @property
     def running(self):
-        """1 while a ticket holds (or is about to take) the lock, else 0."""
-        return 1 if self._tickets else 0
+        """Tickets holding (or about to take) a slot."""
+        return min(len(self._tickets), self.slots)
+
+    def shut_down(self):
+        """Refuses new tickets and wakes every waiter, which leaves with Overloaded (503)."""
+        with self._condition():
+            self.shutting_down = True
+            self._cond.notify_all()
 
     def enqueue(self, cancel=None):
         """A new ticket at the back of the queue; Overloaded when `max_waiting` are already waiting."""
         with self._condition():
-            if self._tickets and self.depth >= self.max_waiting:
+            if self.shutting_down:
+                raise _shutting_down(self.retry_after)
+            if len(self._tickets) >= self.slots and self.depth >= self.max_waiting:
                 raise Overloaded(f"the server is busy: {self.depth} requests are already waiting",
                                  retry_after=self.retry_after)
             deadline = time.monotonic() + self.timeout if self.timeout else None
@@ -120,7 +142,10 @@ class LockQueue:
             while True:
                 if ticket._state != _WAITING:
                     return ticket._state == _HOLDING
-                if self._tickets[0] is ticket:
+                if self.shutting_down:
+                    self._drop(ticket)
+                    raise _shutting_down(self.retry_after)
+                if self._holds(ticket):
                     ticket._state, ticket.acquired_at = _HOLDING, time.monotonic()
                     return True
                 now = time.monotonic()
@@ -132,6 +157,14 @@ class LockQueue:
                 if limit is not None and now >= limit:
                     return False
                 self._cond.wait(None if limit is None else limit - now)
+
+    def _holds(self, ticket):
+        for i, t in enumerate(self._tickets):
+            if i >= self.slots:
+                return False
+            if t is ticket:
+                return True
+        return False
 
     def _release(self, ticket, only_waiting=False):
         with self._condition():
@@ -146,3 +179,7 @@ class LockQueue:
         except ValueError:
             pass
         self._cond.notify_all()
+
+
+def _shutting_down(retry_after):
+    return Overloaded(SHUTTING_DOWN, retry_after=retry_after, code="server_shutting_down")
