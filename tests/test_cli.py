@@ -138,3 +138,36 @@ def test_check_chat_uses_the_chat_template(engine, capsys):
                      "--device", "cpu", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["prompt_tokens"] == engine.apply_chat_template([{"role": "user", "content": "Hi"}])
+
+
+# ---- the README's tables stay true to the code ----------------------------------------------------
+
+README = (REPO / "README.md").read_text()
+
+
+def test_readme_documents_every_config_variable_and_serve_flag():
+    from dataclasses import fields
+
+    from turbospark_wsgi.config import Config, _env
+
+    for f in fields(Config):
+        if f.name != "load_default":
+            assert f"`{_env(f.name)}`" in README, _env(f.name)
+    serve_parser = cli.build_parser()._subparsers._group_actions[0].choices["serve"]
+    for action in serve_parser._actions:
+        for flag in action.option_strings:
+            if flag.startswith("--") and flag != "--help":
+                assert f"`{flag}" in README, flag
+
+
+def test_readme_lists_every_route():
+    import ast
+
+    tree = ast.parse((REPO / "turbospark_wsgi" / "app.py").read_text())
+    routes = [node.args[0].value for node in ast.walk(tree)
+              if isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "add_route"
+              and isinstance(node.args[0], ast.Constant)]
+    assert routes
+    for route in routes:
+        shown = route.replace("{model_id:path}", "{id}")
+        assert f"{shown}`" in README or f"{shown}," in README, route
