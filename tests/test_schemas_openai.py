@@ -57,17 +57,33 @@ def test_a_plain_request_has_no_warnings():
     assert parse(prompt="hi")[1] == []
 
 
-def test_logprobs_best_of_and_echo_true_are_all_reported():
-    _, degraded = parse(prompt="hi", logprobs=5, best_of=2, echo=True)
-    assert degraded == ["logprobs", "best_of", "echo"]
+def test_logprobs_best_of_and_echo_are_honoured_not_reported():
+    req, degraded = parse(prompt="hi", logprobs=5, best_of=2, echo=True)
+    assert degraded == [] and (req.logprobs, req.best_of, req.echo, req.n) == (5, 2, True, 1)
 
 
 def test_echo_false_is_not_reported():
     assert parse(prompt="hi", echo=False)[1] == []
 
 
-def test_logprobs_null_is_still_reported_like_the_original():
-    assert parse(prompt="hi", logprobs=None)[1] == ["logprobs"]
+def test_logprobs_null_means_none():
+    req, degraded = parse(prompt="hi", logprobs=None)
+    assert degraded == [] and req.logprobs is None
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"logprobs": 21}, "logprobs"), ({"logprobs": -1}, "logprobs"), ({"n": 3, "best_of": 2}, "best_of"),
+    ({"n": 17}, "n"), ({"best_of": 21}, "best_of"), ({"max_tokens": 0}, "max_tokens"),
+    ({"max_tokens": -1, "echo": True}, "max_tokens")])
+def test_logprobs_n_best_of_and_max_tokens_bounds(fields, param):
+    with pytest.raises(InvalidRequest) as e:
+        parse(prompt="hi", **fields)
+    assert e.value.param == param
+
+
+def test_max_tokens_zero_is_allowed_with_echo():
+    req, _ = parse(prompt="hi", echo=True, max_tokens=0, logprobs=1)
+    assert req.max_tokens == 0 and req.params.max_new_tokens == 0
 
 
 # ---- prompt shapes ---------------------------------------------------------------------------
@@ -104,11 +120,9 @@ def test_suffix_is_refused_but_null_suffix_is_not():
     parse(prompt="hi", suffix=None)
 
 
-def test_n_above_one_is_refused_with_the_count():
-    with pytest.raises(InvalidRequest) as e:
-        parse(prompt="hi", n=3)
-    assert e.value.message == "n must be 1, got 3" and e.value.param == "n"
-    assert parse(prompt="hi", n=1)[0].prompt == "hi"
+def test_n_and_best_of_are_carried():
+    req, _ = parse(prompt="hi", n=3, best_of=5)
+    assert (req.n, req.best_of) == (3, 5)
 
 
 @pytest.mark.parametrize("field, value", [

@@ -1,7 +1,8 @@
 """POST /v1/completions: a raw prompt, no chat template, BOS added (see DEVIATIONS.md)."""
 from ..middleware import read_json
 from ..schemas import openai
-from . import begin, client_gone, finish, stream_response
+from ..service import collect_choices
+from . import begin, client_gone, stream_response
 
 
 class Completions:
@@ -20,8 +21,12 @@ class Completions:
         if gen.stream:
             stream_response(resp, openai.completion_stream(events, meta), events, watcher, openai.error_event)
             return
-        text, finished = finish(events, watcher)
+        try:
+            choices, finished = collect_choices(events)
+        finally:
+            events.close()
+            watcher.stop()
         if finished is None:
             client_gone(resp)
         else:
-            resp.media = openai.completion_body(meta, text, finished)
+            resp.media = openai.completion_body(meta, choices, finished)

@@ -7,21 +7,19 @@ from dataclasses import dataclass
 from .. import sse
 from ..engine import SamplingParams
 from ..errors import InvalidRequest
-from ..service import Finished, GenerationRequest, KeepAlive, TextDelta
+from ..service import ChoiceResult, Finished, GenerationRequest, KeepAlive, TextDelta
 from .common import (expect_object, is_int, logit_bias, opt_bool, opt_int, opt_number, opt_str, seed_value,
                      stop_strings, type_name)
 
 DEGRADATION_HEADER = "x-anyllm-degradation"
 MAX_TOKENS_LIMIT = 2 ** 31 - 1
 TOKEN_ID_LIMIT = 2 ** 31
+MAX_CHOICES = 16                # n
+MAX_BEST_OF = 20
 
-# NOTE(degradations): fields /v1/completions accepts but does not honour yet, each with the test
-# that decides whether a request used it. This list is the one place to shrink when one is honoured.
-COMPLETION_DEGRADATIONS = (
-    ("logprobs", lambda doc: "logprobs" in doc),
-    ("best_of", lambda doc: "best_of" in doc),
-    ("echo", lambda doc: doc.get("echo") is True),
-)
+# NOTE(degradations): fields /v1/completions accepts but does not honour, each with the test that
+# decides whether a request used it. Every standard field is honoured now; the header mechanism stays.
+COMPLETION_DEGRADATIONS = ()
 
 
 @dataclass(slots=True)
@@ -47,21 +45,31 @@ def parse_completion(doc):
     expect_object(doc)
     if doc.get("suffix") is not None:
         raise InvalidRequest("suffix (fill-in-the-middle) is not supported", param="suffix")
-    n = opt_int(doc, "n", 1, lo=1, hi=MAX_TOKENS_LIMIT)
-    if n > 1:
-        raise InvalidRequest(f"n must be 1, got {n}", param="n")
+    n, best_of = choice_counts(doc)
+    echo = opt_bool(doc, "echo", False)
     max_tokens = opt_int(doc, "max_tokens", 16, hi=MAX_TOKENS_LIMIT)
-    if max_tokens <= 0:
-        raise InvalidRequest("max_tokens must be greater than 0", param="max_tokens")
+    if max_tokens < 0 or (max_tokens == 0 and not echo):
+        # NOTE(echo): max_tokens 0 with echo means "score the prompt only" (lm-eval loglikelihood)
+        raise InvalidRequest("max_tokens must be greater than 0 (0 is allowed only with echo)", param="max_tokens")
     params = sampling_params(doc, max_tokens)
-    _check_degraded_types(doc)
+    logprobs = opt_int(doc, "logprobs", None, lo=0, hi=20)
     prompt, prompt_ids = _single_prompt(doc)
     stream = opt_bool(doc, "stream", False)
     req = GenerationRequest(model=model_name(doc), prompt=prompt, prompt_ids=prompt_ids,
                             add_bos=prompt_ids is None, max_tokens=max_tokens, params=params,
                             stream=stream, include_usage=stream and _include_usage(doc),
-                            echo=opt_bool(doc, "echo", False), logprobs=doc.get("logprobs"))
+                            echo=echo, logprobs=logprobs, n=n, best_of=best_of)
     return req, completion_degradations(doc)
+
+
+def choice_counts(doc):
+    """(n, best_of or None): best_of generates that many and returns the n most likely."""
+    n = opt_int(doc, "n", 1, lo=1, hi=MAX_CHOICES)
+    best_of = opt_int(doc, "best_of", None, lo=1, hi=MAX_BEST_OF)
+    if best_of is not None and best_of < n:
+        raise InvalidRequest(f"best_of must be greater than or equal to n, got best_of {best_of} and n {n}",
+                             param="best_of")
+    return n, best_of
 
 
 def completion_degradations(doc):
@@ -104,12 +112,6 @@ def _include_usage(doc):
         return False
     expect_object(options, "stream_options")
     return opt_bool(options, "include_usage", False)
-
-
-def _check_degraded_types(doc):
-    opt_int(doc, "logprobs", None, lo=0, hi=20)
-    opt_int(doc, "best_of", None, lo=1, hi=20)
-    opt_bool(doc, "echo", False)
 
 
 _PROMPT_SHAPES = ("a string, an array of one string, an array of token ids, "
@@ -157,29 +159,49 @@ def finish_reason(reason):
     return "length" if reason == "length" else "stop"
 
 
-def completion_body(meta, text, finished):
+def completion_body(meta, choices, finished):
+    """The non-streaming body for [ChoiceResult] and the last Finished (whose usage is the total)."""
+    if isinstance(choices, str):
+        choices = [ChoiceResult(0, choices, None, finished)]
     return {"id": meta.id, "object": "text_completion", "created": meta.created, "model": meta.model,
-            "choices": [{"text": text, "index": 0, "logprobs": None,
-                         "finish_reason": finish_reason(finished.reason)}],
+            "choices": [{"text": c.text, "index": c.index,
+                         "logprobs": legacy_logprobs(c.logprobs) if c.logprobs is not None else None,
+                         "finish_reason": finish_reason(c.finished.reason)} for c in choices],
             "usage": usage_body(finished.usage)}
 
 
-def completion_chunk(meta, text, reason=None):
+def legacy_logprobs(entries, offset=0):
+    """[TokenLogprob] -> the completions logprobs object; text_offset counts from `offset`."""
+    offsets = []
+    for e in entries:
+        offsets.append(offset)
+        offset += e.text_len
+    return {"tokens": [e.token for e in entries], "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [None if e.logprob is None else {t: lp for t, _, lp in e.top} for e in entries],
+            "text_offset": offsets}
+
+
+def completion_chunk(meta, text, reason=None, index=0, logprobs=None):
     return {"id": meta.id, "object": "text_completion", "created": meta.created, "model": meta.model,
-            "choices": [{"text": text, "index": 0, "logprobs": None, "finish_reason": reason}]}
+            "choices": [{"text": text, "index": index, "logprobs": logprobs, "finish_reason": reason}]}
 
 
 def completion_stream(events, meta):
-    """Service events -> SSE frames: a chunk per delta, a finish chunk, optional usage, [DONE].
-    A cancelled run ends without either."""
+    """Service events -> SSE frames: a chunk per delta (each choice's with its index), a finish
+    chunk per choice, optional usage, [DONE]. A cancelled run ends without either."""
+    offsets = {}                # choice index -> characters sent so far (for text_offset)
     for event in events:
         if isinstance(event, TextDelta):
-            yield sse.data_event(completion_chunk(meta, event.text))
+            start = offsets.get(event.index, 0)
+            logprobs = None if event.logprobs is None else legacy_logprobs(event.logprobs, start)
+            offsets[event.index] = start + len(event.text)
+            yield sse.data_event(completion_chunk(meta, event.text, None, event.index, logprobs))
         elif isinstance(event, Finished):
-            yield sse.data_event(completion_chunk(meta, "", finish_reason(event.reason)))
-            if meta.include_usage:
-                yield sse.data_event(usage_chunk(meta, "text_completion", event.usage))
-            yield sse.DONE
+            yield sse.data_event(completion_chunk(meta, "", finish_reason(event.reason), event.index))
+            if event.last:
+                if meta.include_usage:
+                    yield sse.data_event(usage_chunk(meta, "text_completion", event.usage))
+                yield sse.DONE
         elif isinstance(event, KeepAlive):
             yield sse.KEEPALIVE
 
