@@ -1,5 +1,6 @@
 """Server settings: one dataclass, read from the environment (`TURBOSPARK_*`) or built directly."""
 import os
+import socket
 from dataclasses import dataclass, field, fields
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -19,8 +20,12 @@ class Config:
     MODELS (models dir), MODEL (default model id, alias or path), DEVICE (auto|cpu|cuda),
     MAX_WAITING (queued requests before 503), QUEUE_TIMEOUT (s, 0 = wait forever),
     MAX_BODY (bytes), MAX_CONTEXT (tokens, 0 = the model's), KEEPALIVE (s between SSE comments),
-    API_KEYS (comma list; empty = open), HOST, PORT, THREADS (0 = max_waiting + 8),
-    WORKER_CLASS (gthread|gevent), PREFILL_CHUNK (tokens per prefill step).
+    API_KEYS (comma list; empty = open), API_KEY_FILE (one key per line, added to API_KEYS),
+    HOST, PORT, THREADS (0 = max_waiting + 8), WORKER_CLASS (gthread|gevent), PREFILL_CHUNK
+    (tokens per prefill step), CORS_ORIGINS (comma list or *; empty = no CORS headers),
+    MODEL_MEMORY (bytes for loaded models, 0 = no budget), MAX_PROMPT_TOKENS (0 = the context),
+    MAX_TOKENS_CAP (0 = none), MAX_GENERATION_SECONDS (0 = none), GRACEFUL_TIMEOUT (s),
+    REPLICA_ID (sent back in `x-turbospark-replica`; default host:pid).
     """
 
     models_dir: str = os.path.expanduser("~/.cache/turbospark/models")
@@ -32,26 +37,39 @@ class Config:
     max_context: int = 0
     keepalive: float = 15.0
     api_keys: tuple = ()
+    api_key_file: str = ""
     host: str = "127.0.0.1"
     port: int = 8000
     threads: int = 0
     worker_class: str = "gthread"
     prefill_chunk: int = 256
+    cors_origins: tuple = ()
+    model_memory: int = 0
+    max_prompt_tokens: int = 0
+    max_tokens_cap: int = 0
+    max_generation_seconds: float = 0.0
+    graceful_timeout: float = 600.0
+    replica_id: str = ""
     load_default: bool = field(default=True)   # start loading the default model when the app is built
 
     def __post_init__(self):
         _check_choice("device", self.device, DEVICES)
         _check_choice("worker_class", self.worker_class, WORKER_CLASSES)
-        for name in ("max_waiting", "max_context", "threads"):
+        for name in ("max_waiting", "max_context", "threads", "model_memory", "max_prompt_tokens",
+                     "max_tokens_cap"):
             _check_range(name, getattr(self, name), 0)
         for name in ("max_body", "port", "prefill_chunk"):
             _check_range(name, getattr(self, name), 1)
-        _check_range("queue_timeout", self.queue_timeout, 0)
+        for name in ("queue_timeout", "max_generation_seconds", "graceful_timeout"):
+            _check_range(name, getattr(self, name), 0)
         if not self.keepalive > 0:
             raise ConfigError(f"keepalive must be > 0 seconds, got {self.keepalive!r}")
         if not self.threads:
             self.threads = self.max_waiting + 8
-        self.api_keys = tuple(self.api_keys)
+        self.api_keys = tuple(self.api_keys) + read_key_file(self.api_key_file)
+        self.cors_origins = tuple(self.cors_origins)
+        if not self.replica_id:
+            self.replica_id = f"{socket.gethostname()}:{os.getpid()}"
 
     @classmethod
     def from_env(cls, environ=os.environ):
@@ -67,16 +85,39 @@ class Config:
     def auth_enabled(self):
         return bool(self.api_keys)
 
+    def __repr__(self):
+        # NOTE(secrets): keys never reach a log line through a repr of the config.
+        shown = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "api_keys"}
+        shown["api_keys"] = f"<{len(self.api_keys)} keys>"
+        return "Config(" + ", ".join(f"{k}={v!r}" for k, v in shown.items()) + ")"
+
+
+def read_key_file(path):
+    """Keys from a file, one per line; blank lines and `#` comments are skipped."""
+    if not path:
+        return ()
+    try:
+        with open(os.path.expanduser(path), encoding="utf-8") as f:
+            lines = [line.strip() for line in f]
+    except OSError as e:
+        raise ConfigError(f"TURBOSPARK_API_KEY_FILE cannot be read: {e.strerror} ({path})") from None
+    keys = tuple(line for line in lines if line and not line.startswith("#"))
+    if not keys:
+        raise ConfigError(f"TURBOSPARK_API_KEY_FILE holds no keys ({path})")
+    return keys
+
 
 _ENV_NAMES = {"models_dir": "MODELS"}
-_INTS = {"max_waiting", "max_body", "max_context", "port", "threads", "prefill_chunk"}
-_FLOATS = {"queue_timeout", "keepalive"}
+_INTS = {"max_waiting", "max_body", "max_context", "port", "threads", "prefill_chunk", "model_memory",
+         "max_prompt_tokens", "max_tokens_cap"}
+_FLOATS = {"queue_timeout", "keepalive", "max_generation_seconds", "graceful_timeout"}
+_LISTS = {"api_keys", "cors_origins"}
 
 
 def _parse(name, raw):
     if name == "models_dir":
         return os.path.expanduser(raw)
-    if name == "api_keys":
+    if name in _LISTS:
         return tuple(k.strip() for k in raw.split(",") if k.strip())
     if name == "load_default":
         return _parse_bool(name, raw)

@@ -1,4 +1,5 @@
 """Request id, API keys, body size limit and the access log; `read_json` for request bodies."""
+import hashlib
 import hmac
 import json
 import logging
@@ -6,6 +7,7 @@ import re
 import secrets
 import time
 
+from . import metrics
 from .errors import InvalidRequest, PayloadTooLarge, Unauthorized, UnsupportedMediaType
 from .sse import SSEStream
 
@@ -14,10 +16,15 @@ access_log = logging.getLogger("turbospark.access")
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 _JSON_TYPES = ("application/json",)
 _READ_BLOCK = 64 * 1024
+TIME_LIMIT_HEADER = "x-turbospark-time-limited"     # the generation hit TURBOSPARK_MAX_GENERATION_SECONDS
 
 
 class RequestContext:
-    """Gives each request an id (a valid `x-request-id` is kept), echoes it, and logs one line."""
+    """Gives each request an id (a valid `x-request-id` is kept), echoes it with the replica id,
+    and logs one line (and records its metrics) when the response, or its stream, is done."""
+
+    def __init__(self, replica_id=None):
+        self._replica = replica_id
 
     def process_request(self, req, resp):
         given = req.get_header("x-request-id")
@@ -27,6 +34,11 @@ class RequestContext:
 
     def process_response(self, req, resp, resource, req_succeeded):
         resp.set_header("x-request-id", request_id(req))
+        if self._replica:
+            resp.set_header("x-turbospark-replica", self._replica)
+        gen = getattr(req.context, "generation", None)
+        if getattr(gen, "time_limited", False) and not isinstance(resp.stream, SSEStream):
+            resp.set_header(TIME_LIMIT_HEADER, "true")
         if isinstance(resp.stream, SSEStream):
             resp.stream.add_close_callback(lambda: log_access(req, resp))
         else:
@@ -34,25 +46,82 @@ class RequestContext:
 
 
 class ApiKeyAuth:
-    """`Authorization: Bearer KEY` or `x-api-key: KEY` against the configured keys; /health is open."""
+    """`Authorization: Bearer KEY` or `x-api-key: KEY` against the configured keys.
 
-    def __init__(self, keys, open_paths=("/health",)):
-        self._keys = [k.encode("utf-8") for k in keys]
+    Open without a key: `open_paths` (/health, /openapi.json) and CORS preflights (OPTIONS),
+    which browsers send without credentials. Keys are never logged.
+    """
+
+    def __init__(self, keys, open_paths=("/health", "/openapi.json")):
+        self._digests = [_digest(k) for k in keys]
         self._open = frozenset(open_paths)
 
     def process_request(self, req, resp):
-        if not self._keys or req.path in self._open:
+        if not self._digests or req.path in self._open or req.method == "OPTIONS":
             return
         given = _bearer(req.get_header("Authorization")) or req.get_header("x-api-key")
         if not given:
             raise Unauthorized("Missing API key: send 'Authorization: Bearer KEY' or 'x-api-key: KEY'",
                                headers={"WWW-Authenticate": "Bearer"})
-        given = given.encode("utf-8")
-        matched = False
-        for key in self._keys:                  # NOTE(timing): compare against every key, no early exit
-            matched |= hmac.compare_digest(given, key)
-        if not matched:
+        if not key_matches(given, self._digests):
             raise Unauthorized("Incorrect API key provided", headers={"WWW-Authenticate": "Bearer"})
+
+
+def key_matches(given, digests):
+    """True if `given` is one of the keys whose sha256 digests are `digests`.
+
+    NOTE(timing): fixed-length digests make `compare_digest` independent of the key's length, and
+    every key is compared (no early exit), so the time taken says nothing about any key.
+    """
+    probe = _digest(given)
+    matched = False
+    for digest in digests:
+        matched |= hmac.compare_digest(probe, digest)
+    return matched
+
+
+def _digest(key):
+    return hashlib.sha256(key.encode("utf-8", "surrogateescape")).digest()
+
+
+class Cors:
+    """CORS for browser clients: answers preflights and adds the headers to every response,
+    streams included (they are headers of the response that carries the stream).
+
+    `origins`: allowed origins, or ("*",) for any. Empty: no CORS headers at all.
+    """
+
+    METHODS = "GET, POST, OPTIONS"
+    HEADERS = "Authorization, x-api-key, anthropic-version, anthropic-beta, content-type, x-request-id"
+    EXPOSE = "x-request-id, x-anyllm-degradation, x-turbospark-replica, Retry-After"
+
+    def __init__(self, origins):
+        self._any = "*" in origins
+        self._origins = frozenset(o.rstrip("/") for o in origins)
+
+    def process_request(self, req, resp):
+        if not self._origins or req.method != "OPTIONS":
+            return
+        if req.get_header("Access-Control-Request-Method") is None:
+            return          # a plain OPTIONS: Falcon answers it with Allow
+        resp.status = 204
+        resp.set_header("Access-Control-Allow-Methods", self.METHODS)
+        resp.set_header("Access-Control-Allow-Headers", self.HEADERS)
+        resp.set_header("Access-Control-Max-Age", "600")
+        resp.complete = True        # NOTE(cors): skip auth and the responder; process_response still runs
+
+    def process_response(self, req, resp, resource, req_succeeded):
+        origin = req.get_header("Origin")
+        if not self._origins or origin is None:
+            return
+        if self._any:
+            resp.set_header("Access-Control-Allow-Origin", "*")
+        elif origin.rstrip("/") in self._origins:
+            resp.set_header("Access-Control-Allow-Origin", origin)
+            resp.append_header("Vary", "Origin")
+        else:
+            return
+        resp.set_header("Access-Control-Expose-Headers", self.EXPOSE)
 
 
 class BodyLimit:
@@ -152,6 +221,7 @@ def log_access(req, resp):
                    f"ttft_ms={_ms(gen.enqueued_at, gen.first_token_at)}",
                    f"finish={gen.finish_reason or '-'}"]
     access_log.info(" ".join(str(f) for f in fields))
+    metrics.record_request(req.uri_template, req.method, resp.status_code, elapsed / 1000, gen)
 
 
 def _ms(start, end):
