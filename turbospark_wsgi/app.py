@@ -9,12 +9,14 @@ import falcon.media
 from .config import Config
 from .errors import (ApiError, EngineError, InvalidRequest, MethodNotAllowed, NotFound, PayloadTooLarge,
                      Unauthorized, UnsupportedMediaType)
-from .middleware import ApiKeyAuth, BodyLimit, RequestContext, request_id
+from .middleware import ApiKeyAuth, BodyLimit, Cors, RequestContext, request_id
 from .resources.chat import ChatCompletions
 from .resources.completions import Completions
 from .resources.health import Health
+from .resources.metrics import Metrics
 from .resources.messages import CountTokens, Messages
 from .resources.models import Model, Models
+from .resources.openapi import OpenApi
 from .schemas import common, openai
 from .service import Service
 
@@ -35,7 +37,9 @@ def create_app(config=None, service=None):
     """
     config = config or Config()
     service = service or Service(config)
-    app = falcon.App(middleware=[RequestContext(), ApiKeyAuth(config.api_keys), BodyLimit(config.max_body)])
+    # NOTE(order): CORS answers preflights before auth; its process_response also reaches 401s.
+    app = falcon.App(middleware=[RequestContext(config.replica_id), Cors(config.cors_origins),
+                                 ApiKeyAuth(config.api_keys), BodyLimit(config.max_body)])
     app.req_options.strip_url_path_trailing_slash = True
     json_handler = falcon.media.JSONHandler(dumps=functools.partial(
         json.dumps, ensure_ascii=False, separators=(",", ":")))
@@ -58,6 +62,8 @@ def add_routes(app, service, config):
     app.add_route("/v1/models", Models(service))
     app.add_route("/v1/models/{model_id:path}", Model(service))
     app.add_route("/health", Health(service))
+    app.add_route("/metrics", Metrics(service))
+    app.add_route("/openapi.json", OpenApi())
 
 
 def envelope_for(path):

@@ -1,0 +1,146 @@
+"""The OpenAPI 3.1 description served at GET /openapi.json: every route, the main request and
+response fields, and each route family's error envelope. A test keeps its paths and methods equal
+to the app's route table."""
+
+_STR = {"type": "string"}
+_INT = {"type": "integer"}
+_NUM = {"type": "number"}
+_BOOL = {"type": "boolean"}
+_NULL_STR = {"type": ["string", "null"]}
+_OBJ = {"type": "object"}
+
+
+def _ref(name):
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+def _json(schema):
+    return {"application/json": {"schema": schema}}
+
+
+_SAMPLING = {
+    "model": _STR, "temperature": {"type": "number", "minimum": 0, "maximum": 2},
+    "top_p": {"type": "number", "minimum": 0, "maximum": 1}, "top_k": _INT,
+    "min_p": {"type": "number", "minimum": 0, "maximum": 1},
+    "presence_penalty": {"type": "number", "minimum": -2, "maximum": 2},
+    "frequency_penalty": {"type": "number", "minimum": -2, "maximum": 2},
+    "repetition_penalty": _NUM, "seed": _INT, "stream": _BOOL,
+    "stop": {"oneOf": [_STR, {"type": "array", "items": _STR}, {"type": "null"}]},
+    "logit_bias": {"type": "object", "additionalProperties": _NUM},
+    "stream_options": {"type": "object", "properties": {"include_usage": _BOOL}},
+}
+
+_USAGE = {"type": "object", "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
+          "properties": {"prompt_tokens": _INT, "completion_tokens": _INT, "total_tokens": _INT}}
+
+_SCHEMAS = {
+    "OpenAIError": {"type": "object", "required": ["error"], "properties": {"error": {
+        "type": "object", "required": ["message", "type", "param", "code"],
+        "properties": {"message": _STR, "type": _STR, "param": _NULL_STR, "code": _NULL_STR}}}},
+    "AnthropicError": {"type": "object", "required": ["type", "error"], "properties": {
+        "type": {"const": "error"}, "error": {"type": "object", "required": ["type", "message"],
+                                              "properties": {"type": _STR, "message": _STR}}}},
+    "CompletionRequest": {"type": "object", "required": ["prompt"], "properties": dict(
+        _SAMPLING, prompt={"oneOf": [_STR, {"type": "array", "items": _STR, "maxItems": 1},
+                                     {"type": "array", "items": _INT}]},
+        max_tokens={"type": "integer", "minimum": 1}, n={"const": 1}, echo=_BOOL)},
+    "Completion": {"type": "object", "required": ["id", "object", "created", "model", "choices"],
+                   "properties": {"id": _STR, "object": {"const": "text_completion"}, "created": _INT,
+                                  "model": _STR, "usage": _USAGE, "choices": {"type": "array", "items": {
+                                      "type": "object", "required": ["text", "index", "finish_reason"],
+                                      "properties": {"text": _STR, "index": _INT,
+                                                     "finish_reason": _NULL_STR}}}}},
+    "ChatMessage": {"type": "object", "required": ["role"], "properties": {
+        "role": {"enum": ["system", "developer", "user", "assistant", "tool"]},
+        "content": {"oneOf": [_STR, {"type": "null"}, {"type": "array", "items": {
+            "type": "object", "required": ["type", "text"],
+            "properties": {"type": {"const": "text"}, "text": _STR}}}]},
+        "name": _STR, "tool_call_id": _STR, "tool_calls": {"type": "array", "items": _OBJ}}},
+    "ChatCompletionRequest": {"type": "object", "required": ["messages"], "properties": dict(
+        _SAMPLING, messages={"type": "array", "minItems": 1, "items": _ref("ChatMessage")},
+        max_tokens={"type": "integer", "minimum": 1}, max_completion_tokens={"type": "integer", "minimum": 1},
+        tools={"type": "array", "items": _OBJ}, tool_choice={"oneOf": [_STR, _OBJ]},
+        parallel_tool_calls=_BOOL, n={"const": 1}, response_format=_OBJ)},
+    "ChatCompletion": {"type": "object", "required": ["id", "object", "created", "model", "choices"],
+                       "properties": {"id": _STR, "object": {"const": "chat.completion"}, "created": _INT,
+                                      "model": _STR, "usage": _USAGE, "choices": {"type": "array", "items": {
+                                          "type": "object", "required": ["index", "message", "finish_reason"],
+                                          "properties": {"index": _INT, "message": _OBJ,
+                                                         "finish_reason": _NULL_STR}}}}},
+    "AnthropicMessage": {"type": "object", "required": ["role", "content"], "properties": {
+        "role": {"enum": ["user", "assistant"]},
+        "content": {"oneOf": [_STR, {"type": "array", "items": _OBJ}]}}},
+    "MessagesRequest": {"type": "object", "required": ["messages", "max_tokens"], "properties": {
+        "model": _STR, "messages": {"type": "array", "minItems": 1, "items": _ref("AnthropicMessage")},
+        "max_tokens": {"type": "integer", "minimum": 1}, "system": {"oneOf": [_STR, {"type": "array"}]},
+        "temperature": {"type": "number", "minimum": 0, "maximum": 1}, "top_p": _NUM, "top_k": _INT,
+        "stop_sequences": {"type": "array", "items": _STR}, "stream": _BOOL,
+        "tools": {"type": "array", "items": _OBJ}, "tool_choice": _OBJ, "thinking": _OBJ}},
+    "Message": {"type": "object", "required": ["id", "type", "role", "content", "model", "stop_reason", "usage"],
+                "properties": {"id": _STR, "type": {"const": "message"}, "role": {"const": "assistant"},
+                               "content": {"type": "array", "items": _OBJ}, "model": _STR,
+                               "stop_reason": _NULL_STR, "stop_sequence": _NULL_STR,
+                               "usage": {"type": "object", "properties": {"input_tokens": _INT,
+                                                                          "output_tokens": _INT}}}},
+    "CountTokensRequest": {"type": "object", "required": ["messages"], "properties": {
+        "model": _STR, "messages": {"type": "array", "minItems": 1, "items": _ref("AnthropicMessage")},
+        "system": {"oneOf": [_STR, {"type": "array"}]}, "tools": {"type": "array", "items": _OBJ}}},
+    "TokenCount": {"type": "object", "required": ["input_tokens"], "properties": {"input_tokens": _INT}},
+    "Model": {"type": "object", "required": ["id", "object", "created", "owned_by"],
+              "properties": {"id": _STR, "object": {"const": "model"}, "created": _INT, "owned_by": _STR,
+                             "loaded": _BOOL}},
+    "ModelList": {"type": "object", "required": ["object", "data"],
+                  "properties": {"object": {"const": "list"}, "data": {"type": "array", "items": _ref("Model")}}},
+    "Health": {"type": "object", "required": ["status", "model", "queue"], "properties": {
+        "status": {"enum": ["ok", "loading", "error"]}, "model": _STR, "backend": _NULL_STR,
+        "queue": {"type": "object", "properties": {"waiting": _INT, "running": _INT, "max_waiting": _INT}}}},
+}
+
+_SSE = {"text/event-stream": {"schema": _STR}}
+
+
+def _post(summary, request, response, error="OpenAIError", stream=True):
+    content = dict(_json(_ref(response)), **(_SSE if stream else {}))
+    return {"post": {
+        "summary": summary,
+        "requestBody": {"required": True, "content": _json(_ref(request))},
+        "responses": {"200": {"description": "the result (an SSE stream when `stream` is true)",
+                              "content": content},
+                      "default": {"description": "an error in this route family's envelope",
+                                  "content": _json(_ref(error))}}}}
+
+
+def _get(summary, response_content, path_params=(), error="OpenAIError", extra=None):
+    op = {"summary": summary,
+          "responses": dict({"200": {"description": "OK", "content": response_content},
+                             "default": {"description": "an error", "content": _json(_ref(error))}},
+                            **(extra or {}))}
+    if path_params:
+        op["parameters"] = [{"name": p, "in": "path", "required": True, "schema": _STR} for p in path_params]
+    return {"get": op}
+
+
+def spec(version="0"):
+    """The OpenAPI document as a dict."""
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "TurboSpark WSGI", "version": version,
+                 "description": "OpenAI- and Anthropic-compatible inference server. See DEVIATIONS.md."},
+        "components": {"schemas": _SCHEMAS, "securitySchemes": {
+            "bearer": {"type": "http", "scheme": "bearer"},
+            "apiKey": {"type": "apiKey", "in": "header", "name": "x-api-key"}}},
+        "security": [{"bearer": []}, {"apiKey": []}, {}],
+        "paths": {
+            "/v1/completions": _post("Raw-prompt completion", "CompletionRequest", "Completion"),
+            "/v1/chat/completions": _post("Chat completion", "ChatCompletionRequest", "ChatCompletion"),
+            "/v1/messages": _post("Anthropic Messages", "MessagesRequest", "Message", "AnthropicError"),
+            "/v1/messages/count_tokens": _post(
+                "Anthropic token count", "CountTokensRequest", "TokenCount", "AnthropicError", stream=False),
+            "/v1/models": _get("Installed models", _json(_ref("ModelList"))),
+            "/v1/models/{model_id}": _get("One installed model", _json(_ref("Model")), ("model_id",)),
+            "/health": _get("Readiness", _json(_ref("Health")),
+                            extra={"503": {"description": "not ready", "content": _json(_ref("Health"))}}),
+            "/metrics": _get("Prometheus metrics", {"text/plain": {"schema": _STR}}),
+            "/openapi.json": _get("This document", _json(_OBJ)),
+        },
+    }
