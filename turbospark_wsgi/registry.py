@@ -1,12 +1,15 @@
-"""Installed models: discovery in the models directory, aliases, and loading on first request."""
+"""Installed models: discovery in the models directory, aliases, loading on first request, and
+unloading of idle models (least recently used first) to stay within a memory budget."""
 import json
 import logging
 import os
 import threading
+import time
+from collections import OrderedDict
 from dataclasses import dataclass
 
-from . import compute
-from .errors import ModelLoadError, ModelNotFound
+from . import compute, metrics
+from .errors import ModelLoadError, ModelNotFound, Overloaded
 
 log = logging.getLogger("turbospark.registry")
 
@@ -23,9 +26,32 @@ class ModelInfo:
     alias_of: str | None = None     # the installed id an alias points at
 
 
+@dataclass(slots=True)
+class _Loaded:
+    engine: object
+    nbytes: int                     # estimated from the model's file sizes
+    users: int = 0                  # generations holding a Lease; never unloaded while > 0
+
+
+class Lease:
+    """A loaded engine held for one generation; `release()` (idempotent) makes it unloadable again."""
+
+    __slots__ = ("engine", "_registry", "_key")
+
+    def __init__(self, registry, key, engine):
+        self.engine, self._registry, self._key = engine, registry, key
+
+    def release(self):
+        if self._registry is not None:
+            registry, self._registry = self._registry, None
+            registry._release(self._key)
+
+
 class Registry:
     """Finds models by id, alias or path and loads each once (on the compute thread).
 
+    With `config.model_memory` (bytes) set, loading a model first unloads idle models, least
+    recently used first, until the estimated sizes fit; models held by a `Lease` stay.
     `loader(path, device=, name=, max_context=, prefill_chunk=)` defaults to
     `turbospark_wsgi.engine.load_engine`; tests inject a fake.
     """
@@ -33,7 +59,7 @@ class Registry:
     def __init__(self, config, loader=None):
         self._config = config
         self._loader = loader
-        self._engines = {}          # real path -> Engine
+        self._engines = OrderedDict()   # real path -> _Loaded, least recently used first
         self._failures = {}         # real path -> (mtime, message)
         self._locks = {}            # real path -> Lock
         self._guard = threading.Lock()
@@ -72,38 +98,96 @@ class Registry:
     def loaded(self, name=None):
         """The engine for `name` (default: the default model) if it is loaded, else None."""
         path = self.find(name or self.default_name)
-        return self._engines.get(os.path.realpath(path)) if path else None
+        entry = self._engines.get(os.path.realpath(path)) if path else None
+        return entry.engine if entry else None
 
     def resolve(self, name=None):
         """The engine for `name`, loading it on first use. ModelNotFound / ModelLoadError otherwise."""
+        lease = self.acquire(name)
+        lease.release()
+        return lease.engine
+
+    def acquire(self, name=None):
+        """A Lease on the engine for `name` (loading it on first use); release it when done."""
         name = name or self.default_name
         path = self.find(name)
         if path is None:
             raise ModelNotFound(f"The model '{name}' does not exist or is not installed", param="model")
         key = os.path.realpath(path)
-        engine = self._engines.get(key)
-        return engine if engine is not None else self._load(name, key)
+        with self._guard:
+            entry = self._engines.get(key)
+            if entry is not None:
+                return self._lease(key, entry)
+        return self._load(name, key)
+
+    def _lease(self, key, entry):
+        entry.users += 1                 # caller holds self._guard
+        self._engines.move_to_end(key)
+        return Lease(self, key, entry.engine)
+
+    def _release(self, key):
+        with self._guard:
+            entry = self._engines.get(key)
+            if entry is not None and entry.users > 0:
+                entry.users -= 1
 
     def _load(self, name, key):
         with self._lock_for(key):
-            if key in self._engines:
-                return self._engines[key]
+            with self._guard:
+                if key in self._engines:
+                    return self._lease(key, self._engines[key])
             mtime = _mtime(key)
             failed = self._failures.get(key)
             if failed and failed[0] == mtime:
                 raise ModelLoadError(failed[1])
-            try:
-                engine = compute.run(self._load_fn(), key, device=self._config.device,
-                                     name=_id_for(key, self._installed()),
-                                     max_context=self._config.max_context,
-                                     prefill_chunk=self._config.prefill_chunk)
-            except (ValueError, OSError, ImportError) as e:
-                self._failures[key] = (mtime, f"The model '{name}' could not be loaded: {e}")
-                log.error("loading %s failed: %s", key, e)
-                raise ModelLoadError(self._failures[key][1]) from e
-            log.info("loaded %s from %s (backend %s)", name, key, getattr(engine, "backend", "?"))
-            self._engines[key] = engine
-            return engine
+            nbytes = estimate_bytes(key)
+            self._make_room(name, nbytes)
+            engine = self._load_engine(name, key, mtime)
+            with self._guard:
+                self._engines[key] = _Loaded(engine, nbytes)
+                self._observe()
+                return self._lease(key, self._engines[key])
+
+    def _load_engine(self, name, key, mtime):
+        started = time.monotonic()
+        model_id = _id_for(key, self._installed())
+        try:
+            engine = compute.run(self._load_fn(), key, device=self._config.device, name=model_id,
+                                 max_context=self._config.max_context, prefill_chunk=self._config.prefill_chunk)
+        except (ValueError, OSError, ImportError, KeyError) as e:
+            self._failures[key] = (mtime, f"The model '{name}' could not be loaded: {e}")
+            log.error("loading %s failed: %s", key, e)
+            metrics.record_model_load(model_id, False, time.monotonic() - started)
+            raise ModelLoadError(self._failures[key][1]) from e
+        log.info("loaded %s from %s (backend %s)", name, key, getattr(engine, "backend", "?"))
+        metrics.record_model_load(model_id, True, time.monotonic() - started)
+        return engine
+
+    def _make_room(self, name, nbytes):
+        """Unloads idle models, least recently used first, until `nbytes` more fit the budget."""
+        budget = self._config.model_memory
+        if not budget:
+            return
+        if nbytes > budget:
+            raise ModelLoadError(f"The model '{name}' needs about {nbytes} bytes, more than the memory "
+                                 f"budget TURBOSPARK_MODEL_MEMORY={budget}")
+        with self._guard:
+            for key in [k for k, e in self._engines.items() if e.users == 0]:
+                if self._used() + nbytes <= budget:
+                    break
+                entry = self._engines.pop(key)
+                log.info("unloaded %s (idle) to make room for %s", entry.engine.name, name)
+                metrics.record_unload(entry.engine.name)
+            self._observe()
+            if self._used() + nbytes > budget:
+                raise Overloaded(f"The model '{name}' cannot be loaded now: the models in use fill the memory "
+                                 f"budget ({self._used()} of {budget} bytes); retry later", retry_after=5)
+
+    def _used(self):
+        return sum(e.nbytes for e in self._engines.values())
+
+    def _observe(self):
+        metrics.observe_models(len(self._engines), self._used())
 
     def _load_fn(self):
         if self._loader is None:
@@ -154,6 +238,17 @@ class Registry:
     def _info(self, model_id, path, alias_of=None):
         return ModelInfo(id=model_id, path=path, loaded=os.path.realpath(path) in self._engines,
                          created=int(_mtime(path)), alias_of=alias_of)
+
+
+def estimate_bytes(path):
+    """A model's memory estimate: its file size, or for a directory the sum of its weight files."""
+    if os.path.isfile(path):
+        return os.path.getsize(path)
+    total = 0
+    for root, _, files in os.walk(path):
+        total += sum(os.path.getsize(os.path.join(root, f)) for f in files
+                     if f.endswith((".safetensors", ".bin", ".gguf")))
+    return total
 
 
 def _is_model_path(name):

@@ -8,7 +8,8 @@ class Models:
         self._service = service
 
     def on_get(self, req, resp):
-        resp.media = openai.model_list(self._service.models())
+        infos = self._service.models()
+        resp.media = {"object": "list", "data": [_model(i) for i in infos]}
 
 
 class Model:
@@ -19,4 +20,9 @@ class Model:
         info = next((i for i in self._service.models() if i.id == model_id), None)
         if info is None:
             raise ModelNotFound(f"The model '{model_id}' does not exist or is not installed", param="model")
-        resp.media = openai.model_object(info)
+        resp.media = _model(info)
+
+
+def _model(info):
+    """The OpenAI model object plus `loaded` (whether it is in memory now)."""
+    return dict(openai.model_object(info), loaded=info.loaded)
