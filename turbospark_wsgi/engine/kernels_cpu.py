@@ -1,0 +1,175 @@
+"""Multi-threaded CPU kernels (numba) for y = x @ W.T with W held as tiled quantized blocks.
+
+Small batches (decode) run a fused dequantize-and-dot kernel: each SIMD lane is one output row
+(see quant.QWeight), so there are no horizontal sums and every weight byte is read once per
+activation row from cache. Large batches (prefill) dequantize a slab of rows to float32 and hand
+it to BLAS. Activations stay float32: the results equal the dequantize-then-matmul reference up
+to float32 summation order.
+"""
+import os
+from contextlib import contextmanager
+
+import numpy as np
+
+try:
+    import numba
+    from numba import njit, prange
+except ImportError:            # pragma: no cover - exercised only where numba is absent
+    numba = None
+
+AVAILABLE = numba is not None
+GEMV_MAX_B = int(os.environ.get("TURBOSPARK_GEMV_MAX_B", "8"))   # larger batches use BLAS
+SLAB_ROWS = 1024               # rows dequantized per BLAS call in the large-batch path
+
+if AVAILABLE:
+    _JIT = dict(parallel=True, fastmath=True, cache=True, nogil=True)
+
+    @njit(**_JIT)
+    def _q4_gemv(x, xsum, qs, d, m, y):   # pragma: no cover - compiled
+        # x [B, K]; xsum [B, K/32]; qs [T, K/32, 16, R] u8; d, m [T, K/32, R]; y [B, T*R]
+        B = x.shape[0]
+        T, nb, _, R = qs.shape
+        for t in prange(T):
+            acc = np.empty(R, np.float32)
+            for i in range(B):
+                acc[:] = 0
+                for b in range(nb):
+                    k, xs = b * 32, xsum[i, b]
+                    for r in range(R):
+                        s = np.float32(0)
+                        for j in range(16):
+                            # NOTE(int32): numba widens integer math to int64; the explicit int32
+                            # casts keep the nibble unpack in 16-lane int32 vectors.
+                            q = np.int32(qs[t, b, j, r])
+                            s += (np.float32(np.int32(q & 15)) * x[i, k + j]
+                                  + np.float32(np.int32(q >> 4)) * x[i, k + 16 + j])
+                        acc[r] += d[t, b, r] * s + m[t, b, r] * xs
+                for r in range(R):
+                    y[i, t * R + r] = acc[r]
+
+    @njit(**_JIT)
+    def _q8_gemv(x, qs, d, y):   # pragma: no cover - compiled
+        # x [B, K]; qs [T, K/16, 16, R] i8; d [T, K/(16*g), R]; y [B, T*R]
+        B = x.shape[0]
+        T, ns, _, R = qs.shape
+        g = ns // d.shape[1]
+        for t in prange(T):
+            acc = np.empty(R, np.float32)
+            for i in range(B):
+                acc[:] = 0
+                for b in range(ns):
+                    k, gb = b * 16, b // g
+                    for r in range(R):
+                        s = np.float32(0)
+                        for j in range(16):
+                            s += np.float32(np.int32(qs[t, b, j, r])) * x[i, k + j]
+                        acc[r] += d[t, gb, r] * s
+                for r in range(R):
+                    y[i, t * R + r] = acc[r]
+
+    @njit(**_JIT)
+    def _q4_dequant(qs, d, m, t0, out):   # pragma: no cover - compiled
+        # tiles t0.. of qs -> out [rows, K] float32 (rows a multiple of R)
+        T, nb, _, R = qs.shape
+        for tt in prange(out.shape[0] // R):
+            t = t0 + tt
+            for r in range(R):
+                row = tt * R + r
+                for b in range(nb):
+                    db, mb = d[t, b, r], m[t, b, r]
+                    for j in range(16):
+                        q = np.int32(qs[t, b, j, r])
+                        out[row, b * 32 + j] = np.float32(np.int32(q & 15)) * db + mb
+                        out[row, b * 32 + 16 + j] = np.float32(np.int32(q >> 4)) * db + mb
+
+    @njit(**_JIT)
+    def _q8_dequant(qs, d, t0, out):   # pragma: no cover - compiled
+        T, ns, _, R = qs.shape
+        g = ns // d.shape[1]
+        for tt in prange(out.shape[0] // R):
+            t = t0 + tt
+            for r in range(R):
+                row = tt * R + r
+                for b in range(ns):
+                    db = d[t, b // g, r]
+                    for j in range(16):
+                        out[row, b * 16 + j] = np.float32(np.int32(qs[t, b, j, r])) * db
+
+
+def qmatmul(x, w, out=None, threads=None, path="auto"):
+    """y = x @ W.T for x float32 [B, k] and a quant.QMatrix W [n, k] -> float32 [B, n].
+    `threads` caps the numba threads for this call (default: NUMBA_NUM_THREADS / all cores);
+    `path` forces "gemv" (fused kernel) or "blas" (dequantize slabs + GEMM)."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if x.ndim != 2 or x.shape[1] != w.k:
+        raise ValueError(f"activation shape {x.shape} does not match weight {w.shape}")
+    y = np.empty((x.shape[0], w.n), np.float32) if out is None else out
+    use_gemv = path == "gemv" or (path == "auto" and x.shape[0] <= GEMV_MAX_B)
+    with _threads(threads):
+        start = 0
+        for p in w.parts:
+            part = y[:, start:start + p.n]
+            if use_gemv:
+                _gemv(x, p, part)
+            else:
+                _blas(x, p, part)
+            start += p.n
+    return y
+
+
+def _gemv(x, p, y):
+    padded = p.qs.shape[0] * p.tile
+    buf = np.empty((x.shape[0], padded), np.float32)
+    if p.kind == "q4":
+        xsum = x.reshape(x.shape[0], -1, 32).sum(axis=-1)          # [B, K/32] for the mins
+        _q4_gemv(x, xsum, p.qs, p.d, p.m, buf)
+    else:
+        _q8_gemv(x, p.qs, p.d, buf)
+    y[...] = buf[:, :p.n]
+
+
+def _blas(x, p, y):
+    T, R = p.qs.shape[0], p.tile
+    per = max(1, SLAB_ROWS // R)                                   # tiles per slab
+    slab = np.empty((min(T, per) * R, p.k), np.float32)
+    for t0 in range(0, T, per):
+        rows = min(per, T - t0) * R
+        w = slab[:rows]
+        if p.kind == "q4":
+            _q4_dequant(p.qs, p.d, p.m, t0, w)
+        else:
+            _q8_dequant(p.qs, p.d, t0, w)
+        n0 = t0 * R
+        n1 = min(p.n, n0 + rows)
+        y[:, n0:n1] = x @ w[:n1 - n0].T
+
+
+@contextmanager
+def _threads(n):
+    if n is None or not AVAILABLE:
+        yield
+        return
+    before = numba.get_num_threads()
+    numba.set_num_threads(max(1, min(int(n), numba.config.NUMBA_NUM_THREADS)))
+    try:
+        yield
+    finally:
+        numba.set_num_threads(before)
+
+
+def warmup():
+    """Compiles (or loads from numba's on-disk cache) every kernel on tiny inputs; returns seconds."""
+    import time
+    from . import quant
+    t0 = time.perf_counter()
+    rng = np.random.default_rng(0)
+    raw4 = rng.integers(0, 256, (16, 20), dtype=np.uint8)
+    raw4[:, 0:4] = np.frombuffer(np.float16([0.01, -0.02]).tobytes(), np.uint8)
+    raw8 = rng.integers(0, 256, (16, 34), dtype=np.uint8)
+    raw8[:, 0:2] = np.frombuffer(np.float16([0.01]).tobytes(), np.uint8)
+    x = rng.standard_normal((2, 32)).astype(np.float32)
+    for raw, gtype in ((raw4, 3), (raw8, 8)):
+        w = quant.pack(quant.decode(raw, gtype, (16, 32)), tile=16)
+        qmatmul(x, w, path="gemv")
+        qmatmul(x, w, path="blas")
+    return time.perf_counter() - t0

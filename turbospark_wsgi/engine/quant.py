@@ -1,0 +1,240 @@
+"""Quantized weights kept in block form: GGUF blocks decoded into a few kernel layouts, row-tiled
+for the CPU kernels, plus a pure-numpy dequantizing reference.
+
+Two layouts cover every supported GGUF type (value = q * d + m per block):
+
+* "q4": 32 weights per block as 16 bytes, low nibbles = weights 0-15, high nibbles = 16-31
+  (Q4_0: m = -8d; Q4_1: d, m as stored; Q4_K: d = d*scale, m = -dmin*min per 32-weight sub-block).
+* "q8": int8 weights in sub-blocks of 16 with no min; one scale per `group` sub-blocks
+  (Q8_0: group 2; Q6_K: group 1, q - 32 and d = d*scale).
+
+`Blocks` is the row-major decoded form, on which rows can be permuted, scaled and concatenated.
+`QWeight` is the tiled form the kernels read: `tile` consecutive output rows are interleaved so
+that one SIMD lane holds one row (byte j of a block for rows r..r+tile is contiguous).
+"""
+from dataclasses import dataclass
+
+import numpy as np
+
+SUPPORTED = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0", 12: "Q4_K", 14: "Q6_K"}   # ggml type id -> name
+DEFAULT_TILE = 64
+QK = 32          # weights per q4 block
+SUB = 16         # weights per q8 sub-block (and bytes per q4 block)
+
+
+@dataclass(slots=True)
+class Blocks:
+    """Row-major decoded blocks of an [n, k] weight (rows = output features)."""
+
+    kind: str        # "q4" | "q8"
+    q: np.ndarray    # q4: uint8 [n, k/32, 16]; q8: int8 [n, k/16, 16]
+    d: np.ndarray    # float32 [n, k/32] (q4) or [n, k/(16*group)] (q8)
+    m: object        # float32 [n, k/32] (q4) or None (q8)
+
+    @property
+    def shape(self):
+        per = QK if self.kind == "q4" else SUB
+        return self.q.shape[0], self.q.shape[1] * per
+
+    def map_rows(self, fn):
+        """A copy with `fn` applied to every array along its row axis (e.g. a row permutation)."""
+        return Blocks(self.kind, fn(self.q), fn(self.d), None if self.m is None else fn(self.m))
+
+    def scaled(self, s):
+        """A copy whose values are multiplied by `s` (exact when s is a power of two)."""
+        s = np.float32(s)
+        return Blocks(self.kind, self.q, self.d * s, None if self.m is None else self.m * s)
+
+
+@dataclass(slots=True)
+class QWeight:
+    """Tiled blocks of an [n, k] weight; `tile` output rows per SIMD-lane group (n padded up)."""
+
+    kind: str
+    n: int
+    k: int
+    qs: np.ndarray   # q4: uint8 [T, k/32, 16, tile]; q8: int8 [T, k/16, 16, tile]
+    d: np.ndarray    # float32 [T, nd, tile]
+    m: object        # float32 [T, k/32, tile] or None
+
+    @property
+    def tile(self):
+        return self.qs.shape[-1]
+
+    @property
+    def nbytes(self):
+        return self.qs.nbytes + self.d.nbytes + (0 if self.m is None else self.m.nbytes)
+
+
+@dataclass(slots=True)
+class QMatrix:
+    """A weight y = x @ W.T made of row-stacked parts (one part unless the fused types differ)."""
+
+    parts: list      # [QWeight], output rows in order
+    n: int
+    k: int
+
+    @property
+    def shape(self):
+        return self.n, self.k
+
+    @property
+    def nbytes(self):
+        return sum(p.nbytes for p in self.parts)
+
+
+# ---------------------------------------------------------------------------- GGUF blocks
+
+def decode(raw, ggml_type, shape):
+    """GGUF tensor bytes (uint8 [n, row_bytes], e.g. `GGUFFile.raw(name)`) of a 2-D weight of
+    `shape` (n, k) -> Blocks. Unsupported types raise ValueError naming them."""
+    if ggml_type not in SUPPORTED:
+        raise ValueError(f"no block kernel for GGUF type #{ggml_type}")
+    name = SUPPORTED[ggml_type]
+    n, k = shape
+    per = 256 if name.endswith("_K") else QK
+    if k % per:
+        raise ValueError(f"{name} row length {k} is not a multiple of {per}")
+    raw = np.asarray(raw, dtype=np.uint8).reshape(n, k // per, -1)       # [n, blocks, bytes]
+    return _DECODERS[name](raw)
+
+
+def _f16(raw, at):
+    """The float16 at byte `at` of every block, as float32 [n, blocks]."""
+    return np.ascontiguousarray(raw[..., at:at + 2]).view(np.float16)[..., 0].astype(np.float32)
+
+
+def _q8_0(raw):
+    q = np.ascontiguousarray(raw[..., 2:34]).view(np.int8)              # [n, nb, 32]
+    return Blocks("q8", q.reshape(q.shape[0], -1, SUB), _f16(raw, 0), None)
+
+
+def _q4_0(raw):
+    d = _f16(raw, 0)
+    return Blocks("q4", np.ascontiguousarray(raw[..., 2:18]), d, d * np.float32(-8.0))
+
+
+def _q4_1(raw):
+    return Blocks("q4", np.ascontiguousarray(raw[..., 4:20]), _f16(raw, 0), _f16(raw, 2))
+
+
+def _q4_k(raw):
+    n, nsb, _ = raw.shape
+    d, dmin, s = _f16(raw, 0), _f16(raw, 2), raw[..., 4:16].astype(np.uint8)
+    sc = np.concatenate([s[..., 0:4] & 63, (s[..., 8:12] & 15) | ((s[..., 0:4] >> 6) << 4)], axis=-1)
+    mn = np.concatenate([s[..., 4:8] & 63, (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)], axis=-1)
+    qs = raw[..., 16:144].reshape(n, nsb, 4, 1, 32)                    # 4 chunks of 64 weights
+    v = np.concatenate([qs & 15, qs >> 4], axis=3).reshape(n, nsb * 8, 32)   # sub-block values
+    q = v[..., :16] | (v[..., 16:] << 4)                                # q4 nibble order
+    dd = (d[..., None] * sc.astype(np.float32)).reshape(n, -1)
+    mm = (dmin[..., None] * mn.astype(np.float32)).reshape(n, -1)
+    return Blocks("q4", np.ascontiguousarray(q), dd, -mm)
+
+
+def _q6_k(raw):
+    n, nsb, _ = raw.shape
+    ql, qh = raw[..., 0:128].reshape(n, nsb, 2, 2, 32), raw[..., 128:192].reshape(n, nsb, 2, 1, 32)
+    sc = np.ascontiguousarray(raw[..., 192:208]).view(np.int8).astype(np.float32)   # [n, nsb, 16]
+    lo = np.concatenate([ql & 15, ql >> 4], axis=3)                     # [n, nsb, 2, 4, 32]
+    hi = (qh >> np.array([0, 2, 4, 6], np.uint8)[:, None]) & 3          # [n, nsb, 2, 4, 32]
+    q = ((lo | (hi << 4)).astype(np.int16) - 32).astype(np.int8)
+    d = (_f16(raw, 208)[..., None] * sc).reshape(n, -1)                 # one scale per 16
+    return Blocks("q8", q.reshape(n, -1, SUB), d, None)
+
+
+_DECODERS = {"Q8_0": _q8_0, "Q4_0": _q4_0, "Q4_1": _q4_1, "Q4_K": _q4_k, "Q6_K": _q6_k}
+
+
+# ---------------------------------------------------------------------------- tiling
+
+def pack(parts, tile=DEFAULT_TILE):
+    """Row-stacks `parts` (Blocks, all with the same k) into a QMatrix of tiled weights; neighbours
+    of the same layout are fused into one QWeight."""
+    parts = [parts] if isinstance(parts, Blocks) else list(parts)
+    k = parts[0].shape[1]
+    if any(p.shape[1] != k for p in parts):
+        raise ValueError(f"cannot stack weights with different row lengths {[p.shape for p in parts]}")
+    groups = []
+    for p in parts:
+        if groups and _fusable(groups[-1][-1], p):
+            groups[-1].append(p)
+        else:
+            groups.append([p])
+    tiled = [_tile(_concat(g), tile) for g in groups]
+    return QMatrix(tiled, sum(t.n for t in tiled), k)
+
+
+def _fusable(a, b):
+    return a.kind == b.kind and a.d.shape[1] == b.d.shape[1]
+
+
+def _concat(group):
+    if len(group) == 1:
+        return group[0]
+    m = None if group[0].m is None else np.concatenate([g.m for g in group])
+    return Blocks(group[0].kind, np.concatenate([g.q for g in group]),
+                  np.concatenate([g.d for g in group]), m)
+
+
+def _tile(b, tile):
+    n, k = b.shape
+
+    def lanes(a):                                                       # [n, ...] -> [T, ..., tile]
+        pad = -n % tile
+        if pad:
+            a = np.concatenate([a, np.zeros((pad, *a.shape[1:]), a.dtype)])
+        a = a.reshape(-1, tile, *a.shape[1:])
+        return np.ascontiguousarray(np.moveaxis(a, 1, -1))
+
+    return QWeight(b.kind, n, k, lanes(b.q), lanes(b.d), None if b.m is None else lanes(b.m))
+
+
+def untile(w):
+    """QWeight -> row-major Blocks (the inverse of tiling, padding rows dropped)."""
+    def rows(a):
+        return np.moveaxis(a, -1, 1).reshape(-1, *a.shape[1:-1])[:w.n]
+    return Blocks(w.kind, rows(w.qs), rows(w.d), None if w.m is None else rows(w.m))
+
+
+# ---------------------------------------------------------------------------- reference
+
+def dequantize_blocks(b, rows=None):
+    """Blocks (optionally only `rows`) -> float32 [n, k]."""
+    q, d, m = b.q, b.d, b.m
+    if rows is not None:
+        q, d, m = q[rows], d[rows], None if m is None else m[rows]
+    n = q.shape[0]
+    if b.kind == "q4":
+        v = np.concatenate([q & 15, q >> 4], axis=-1).astype(np.float32)   # [n, nb, 32]
+        return (v * d[..., None] + m[..., None]).reshape(n, -1)
+    group = q.shape[1] // d.shape[1]
+    v = q.astype(np.float32).reshape(n, d.shape[1], group * SUB)
+    return (v * d[..., None]).reshape(n, -1)
+
+
+def dequantize(w):
+    """QWeight or QMatrix -> float32 [n, k]."""
+    if isinstance(w, QMatrix):
+        return np.concatenate([dequantize(p) for p in w.parts])
+    return dequantize_blocks(untile(w))
+
+
+def matmul_ref(x, w):
+    """The exact float32 reference: x [B, k] @ dequantize(w).T -> [B, n]."""
+    return np.asarray(x, dtype=np.float32) @ dequantize(w).T
+
+
+def embed_rows(w, ids):
+    """Rows `ids` of a QMatrix (e.g. a tied token embedding) as float32 [len(ids), k]."""
+    ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+    out = np.empty((len(ids), w.k), np.float32)
+    start = 0
+    for p in w.parts:
+        sel = (ids >= start) & (ids < start + p.n)
+        if sel.any():
+            local = ids[sel] - start
+            t, r = local // p.tile, local % p.tile
+            out[sel] = dequantize_blocks(Blocks(p.kind, p.qs[t, ..., r], p.d[t, ..., r],
+                                                None if p.m is None else p.m[t, ..., r]))
+        start += p.n
+    return out
