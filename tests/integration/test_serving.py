@@ -8,7 +8,10 @@ import http.client
 import json
 import socket
 import statistics
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -219,3 +222,14 @@ def test_streaming_through_nginx_arrives_incrementally(server, raw_stream, start
     # buffered delivery would hand every event over at once, at the end
     assert bursts >= len(times) // 2, f"{bursts} bursts for {len(times)} events: {times}"
     assert times[-1] - times[0] > 0.1
+
+
+def test_load_test_tool_runs_bounded_against_the_server(server):
+    tool = Path(__file__).resolve().parents[2] / "tools" / "load_test.py"
+    out = subprocess.run([sys.executable, str(tool), "--url", server.url, "--model", MODEL,
+                          "--requests", "6", "--concurrency", "3", "--max-tokens", "2",
+                          "--disconnect-fraction", "0.3", "--duration", "90"],
+                         capture_output=True, text=True, timeout=240)
+    print(out.stdout)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "requests: 6" in out.stdout and "errors: 0" in out.stdout
