@@ -49,6 +49,11 @@ class FakeEngine:
         text = "".join(f"<{m['role']}>{m['content']}" for m in messages)
         return self.encode(text + ("<assistant>" if add_generation_prompt else ""), add_bos=True)
 
+    def compile_grammar(self, grammar):
+        """Accepts any spec and constrains nothing (the real engine's grammars are tested on it)."""
+        self.grammars = getattr(self, "grammars", []) + [grammar]
+        return SimpleNamespace(start=lambda: None)
+
     def generate(self, prompt_ids, params, should_stop=None):
         if not prompt_ids or len(prompt_ids) + 1 > self.max_context:
             raise ValueError("bad prompt length")

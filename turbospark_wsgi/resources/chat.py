@@ -3,7 +3,7 @@ from ..middleware import read_json
 from ..parsers import OutputParser
 from ..schemas import openai
 from ..schemas.chat import generation_request, parse_chat
-from ..schemas.chat_render import ChatReply, chat_body, chat_stream, drain
+from ..schemas.chat_render import ChatReply, chat_body, chat_stream, drain, drain_choices
 from ..schemas.tool_prompt import plan_output
 from . import begin, client_gone, stream_response
 
@@ -41,13 +41,20 @@ class ChatCompletions:
         chat = parse_chat(read_json(req, self._max_body))
         plan = plan_for(self._service, chat)
         events, watcher = begin(self._service, req, generation_request(chat, plan))
-        parser = output_parser(chat, plan)
         reply = ChatReply(events.model_id, chat.include_usage, chat.parallel_tool_calls)
+
+        def make_parser():
+            return output_parser(chat, plan)
         if chat.stream:
-            stream_response(resp, chat_stream(reply, parser, events), events, watcher, openai.error_event)
+            frames = chat_stream(reply, make_parser, events, chat.n)
+            stream_response(resp, frames, events, watcher, openai.error_event)
             return
-        parsed, finished = drain_generation(events, watcher, parser)
+        try:
+            choices, finished = drain_choices(make_parser, events)
+        finally:
+            events.close()
+            watcher.stop()
         if finished is None:
             client_gone(resp)
         else:
-            resp.media = chat_body(reply, parsed, finished)
+            resp.media = chat_body(reply, None, finished, choices)

@@ -4,10 +4,13 @@ from dataclasses import dataclass, field
 from ..engine import SamplingParams
 from ..service import GenerationRequest
 from . import checks
+from .chat_grammar import response_format_grammar, tool_call_grammar
 from .chat_messages import parse_messages, parse_tool_choice, parse_tools
 from .checks import fail
 
 REASONING_FORMATS = ("auto", "parsed", "deepseek", "none")
+MAX_CHOICES = 16
+SEED_LIMIT = 2 ** 64
 
 
 @dataclass(slots=True)
@@ -25,6 +28,9 @@ class ChatRequest:
     include_usage: bool = False
     reasoning: bool = True                # split <think> out of the content
     template_kwargs: dict = field(default_factory=dict)
+    n: int = 1
+    logprobs: int | None = None           # None: no logprobs; N: with the top N alternatives
+    grammar: dict | None = None           # response_format as a grammar spec
 
 
 def parse_chat(doc):
@@ -33,9 +39,10 @@ def parse_chat(doc):
     messages = parse_messages(checks.require(doc, "messages"))
     tools = parse_tools(doc.get("tools"))
     choice = parse_tool_choice(doc.get("tool_choice"), tools)
-    _refuse_unsupported(doc)
     stream = checks.boolean(doc, "stream")
     return ChatRequest(
+        n=checks.integer(doc, "n", 1, MAX_CHOICES, 1), logprobs=_logprobs(doc),
+        grammar=response_format_grammar(doc.get("response_format")),
         messages=messages, params=sampling_params(doc), model=_model(doc),
         max_tokens=_max_tokens(doc), tools=tools if choice != "none" else None, tool_choice=choice,
         parallel_tool_calls=checks.boolean(doc, "parallel_tool_calls", True), stream=stream,
@@ -55,7 +62,7 @@ def sampling_params(doc):
         repetition_penalty=float(checks.number(doc, "repetition_penalty", 0.01, 10, 1.0)),
         presence_penalty=float(checks.number(doc, "presence_penalty", -2, 2, 0.0)),
         frequency_penalty=float(checks.number(doc, "frequency_penalty", -2, 2, 0.0)),
-        logit_bias=checks.logit_bias(doc), seed=checks.integer(doc, "seed"),
+        logit_bias=checks.logit_bias(doc), seed=_seed(doc),
         stop=checks.stop_list(doc, "stop"))
 
 
@@ -73,21 +80,18 @@ def _max_tokens(doc):
     return None
 
 
-def _refuse_unsupported(doc):
-    n = checks.integer(doc, "n", 1, None, 1)
-    if n > 1:
-        fail("n", "n > 1 is not supported yet: request one choice at a time.")
-    fmt = doc.get("response_format")
-    if fmt is not None:
-        kind = fmt.get("type") if isinstance(fmt, dict) else None
-        if kind in ("json_object", "json_schema"):
-            fail("response_format", f"response_format '{kind}' is not supported yet: output cannot be constrained.")
-        if kind != "text":
-            fail("response_format", "'response_format.type' must be 'text', 'json_object' or 'json_schema'.")
-    if checks.boolean(doc, "logprobs"):
-        fail("logprobs", "logprobs are not supported yet on /v1/chat/completions.")
-    if doc.get("top_logprobs") is not None:
-        fail("top_logprobs", "'top_logprobs' requires 'logprobs': true.")
+def _seed(doc):
+    seed = checks.integer(doc, "seed", -SEED_LIMIT // 2, SEED_LIMIT - 1)
+    return None if seed is None else seed % SEED_LIMIT     # negative seeds folded into range
+
+
+def _logprobs(doc):
+    top = checks.integer(doc, "top_logprobs", 0, 20)
+    if not checks.boolean(doc, "logprobs"):
+        if top is not None:
+            fail("top_logprobs", "'top_logprobs' requires 'logprobs': true.")
+        return None
+    return top or 0
 
 
 def _include_usage(doc, stream):
@@ -116,8 +120,11 @@ def _template_kwargs(doc):
 
 def generation_request(chat, plan):
     """The service's GenerationRequest for a parsed chat (or messages) request and its OutputPlan."""
+    tool_grammar = tool_call_grammar(plan.tool_family, chat.tool_choice, chat.tools) if plan.assistant_prefix else None
     return GenerationRequest(
         model=chat.model, messages=plan.messages, tools=plan.tools, template_kwargs=chat.template_kwargs,
         max_tokens=chat.max_tokens, params=chat.params, stream=chat.stream,
         include_usage=getattr(chat, "include_usage", False), assistant_prefix=plan.assistant_prefix,
-        prompt_param="messages")
+        prompt_param="messages", n=getattr(chat, "n", 1), logprobs=getattr(chat, "logprobs", None),
+        grammar=tool_grammar or getattr(chat, "grammar", None),
+        grammar_param="tool_choice" if tool_grammar else "response_format")

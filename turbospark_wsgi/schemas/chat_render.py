@@ -44,8 +44,24 @@ def _call_dict(call, index=None):
     return out if index is None else {"index": index, **out}
 
 
-def chat_body(reply, parsed, finished):
-    """The non-streaming body for a ParsedOutput and the service's Finished event."""
+def logprobs_dict(entries):
+    """[TokenLogprob] -> a choice's `logprobs` object (None when logprobs were not asked for)."""
+    if entries is None:
+        return None
+    return {"content": [{"token": e.token, "logprob": e.logprob, "bytes": list(e.bytes),
+                         "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(b)} for t, b, lp in e.top]}
+                        for e in entries], "refusal": None}
+
+
+def chat_body(reply, parsed, finished, choices=None):
+    """The non-streaming body for a ParsedOutput and the service's Finished event; with n > 1,
+    `choices` is [(parsed, Finished, logprob entries)] by index and `finished` the last one."""
+    choices = choices if choices is not None else [(parsed, finished, None)]
+    return {**reply.envelope("chat.completion"),
+            "choices": [_choice(reply, i, *c) for i, c in enumerate(choices)], "usage": usage_dict(finished.usage)}
+
+
+def _choice(reply, index, parsed, finished, logprobs):
     calls = parsed.tool_calls if reply.parallel_tool_calls else parsed.tool_calls[:1]
     message = {"role": "assistant", "content": parsed.content if parsed.content or not calls else None,
                "refusal": None}
@@ -53,9 +69,27 @@ def chat_body(reply, parsed, finished):
         message["reasoning_content"] = message["reasoning"] = parsed.reasoning
     if calls:
         message["tool_calls"] = [_call_dict(c) for c in calls]
-    choice = {"index": 0, "message": message, "logprobs": None,
-              "finish_reason": finish_reason(finished.reason, bool(calls))}
-    return {**reply.envelope("chat.completion"), "choices": [choice], "usage": usage_dict(finished.usage)}
+    return {"index": index, "message": message, "logprobs": logprobs_dict(logprobs),
+            "finish_reason": finish_reason(finished.reason, bool(calls))}
+
+
+def drain_choices(make_parser, events):
+    """Service events of n choices -> ([(ParsedOutput, Finished, logprobs)], last Finished or None)."""
+    parsers, parsed, logprobs, done, last = {}, {}, {}, {}, None
+    for event in events:
+        i = getattr(event, "index", 0)
+        if isinstance(event, TextDelta):
+            parser = parsers.setdefault(i, make_parser())
+            parsed[i] = collect(parser.feed(event.text), parsed.get(i))
+            if event.logprobs is not None:
+                logprobs[i] = logprobs.get(i, []) + event.logprobs
+        elif isinstance(event, Finished):
+            parser = parsers.setdefault(i, make_parser())
+            parsed[i], done[i] = collect(parser.flush(), parsed.get(i)), event
+            last = event if event.last else last
+    if last is None:
+        return [], None
+    return [(parsed[i], done[i], logprobs.get(i)) for i in sorted(done)], last
 
 
 def drain(parser, events):
@@ -70,16 +104,26 @@ def drain(parser, events):
 
 
 class _ChunkWriter:
-    def __init__(self, reply):
+    """Chunks of one choice: its index, its tool-call count and the logprobs not yet sent."""
+
+    def __init__(self, reply, index=0):
         self.reply = reply
+        self.index = index
         self.calls = 0
+        self.logprobs = None
 
     def chunk(self, delta, reason=None):
+        logprobs, self.logprobs = self.logprobs, None
         body = {**self.reply.envelope("chat.completion.chunk"),
-                "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}]}
+                "choices": [{"index": self.index, "delta": delta, "logprobs": logprobs_dict(logprobs),
+                             "finish_reason": reason}]}
         if self.reply.include_usage:
             body["usage"] = None
         return body
+
+    def hold(self, entries):
+        if entries is not None:
+            self.logprobs = (self.logprobs or []) + entries
 
     def deltas(self, event):
         if isinstance(event, ToolCall):
@@ -95,35 +139,45 @@ class _ChunkWriter:
         return [{"content": text}] if kind == CONTENT else []
 
 
-def chat_chunks(reply, parser, events):
+def chat_chunks(reply, make_parser, events, n=1):
     """Stream chunks (dicts) for service events; None stands for a keep-alive comment.
 
-    The first chunk carries the role; a cancelled run ends without a finish chunk.
+    Each choice's first chunk carries the role; logprobs ride on the next chunk of their choice;
+    a cancelled run ends without a finish chunk. `make_parser` may be one parser when n == 1.
     """
-    writer = _ChunkWriter(reply)
-    yield writer.chunk({"role": "assistant", "content": "", "refusal": None})
+    if not callable(make_parser):
+        only = make_parser
+        make_parser = lambda: only          # noqa: E731
+    writers, parsers = {}, {}
+    for i in range(n):
+        writers[i], parsers[i] = _ChunkWriter(reply, i), make_parser()
+        yield writers[i].chunk({"role": "assistant", "content": "", "refusal": None})
     for event in events:
         if isinstance(event, KeepAlive):
             yield None
-        elif isinstance(event, TextDelta):
+            continue
+        writer, parser = writers[event.index], parsers[event.index]
+        if isinstance(event, TextDelta):
+            writer.hold(event.logprobs)
             for parsed in parser.feed(event.text):
                 yield from (writer.chunk(d) for d in writer.deltas(parsed))
         elif isinstance(event, Finished):
             for parsed in parser.flush():
                 yield from (writer.chunk(d) for d in writer.deltas(parsed))
             yield writer.chunk({}, finish_reason(event.reason, writer.calls > 0))
-            if reply.include_usage:
+            if reply.include_usage and event.last:
                 yield {**reply.envelope("chat.completion.chunk"), "choices": [], "usage": usage_dict(event.usage)}
 
 
-def chat_stream(reply, parser, events):
-    """SSE frames: the chunks, keep-alive comments, then `[DONE]` after a finish (not after a cancel)."""
-    finished = False
-    for chunk in chat_chunks(reply, parser, events):
+def chat_stream(reply, parser, events, n=1):
+    """SSE frames: the chunks, keep-alive comments, then `[DONE]` after the last choice's finish
+    (not after a cancel)."""
+    finished = 0
+    for chunk in chat_chunks(reply, parser, events, n):
         if chunk is None:
             yield sse.KEEPALIVE
             continue
-        finished = finished or bool(chunk["choices"] and chunk["choices"][0]["finish_reason"])
+        finished += bool(chunk["choices"] and chunk["choices"][0]["finish_reason"])
         yield sse.data_event(chunk)
-    if finished:
+    if finished >= n:
         yield sse.DONE
