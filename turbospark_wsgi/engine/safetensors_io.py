@@ -99,10 +99,14 @@ def model_config_from_hf(config):
     rope = dict(config.get("rope_parameters") or {})   # transformers >= 5 keeps theta and scaling here
     rope.update(config.get("rope_scaling") or {})
     n_head = config["num_attention_heads"]
+    max_seq = config.get("max_position_embeddings", 2048)
+    if config.get("sliding_window"):
+        # NOTE(window): attention here is global; capping the context at the window keeps it exact
+        max_seq = min(max_seq, config["sliding_window"])
     return ModelConfig(
         arch=arch, n_layer=config["num_hidden_layers"], dim=config["hidden_size"], n_head=n_head,
         n_kv_head=config.get("num_key_value_heads") or n_head, ffn_dim=config["intermediate_size"],
-        vocab_size=config["vocab_size"], max_seq_len=config.get("max_position_embeddings", 2048),
+        vocab_size=config["vocab_size"], max_seq_len=max_seq,
         rope_theta=float(rope.get("rope_theta", config.get("rope_theta", 10000.0))),
         norm_eps=float(config.get("rms_norm_eps", 1e-6)), head_dim=config.get("head_dim") or 0,
         rope_scaling=_hf_rope_scaling(rope), tied_embeddings=bool(config.get("tie_word_embeddings", False)),
