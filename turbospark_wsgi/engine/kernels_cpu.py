@@ -11,6 +11,8 @@ from contextlib import contextmanager
 
 import numpy as np
 
+from . import quant
+
 try:
     import numba
     from numba import njit, prange
@@ -96,6 +98,36 @@ if AVAILABLE:
                         out[row, b * 16 + j] = np.float32(np.int32(qs[t, b, j, r])) * db
 
 
+class QLinear:
+    """A quantized weight that numpy's `@` accepts on the right: `x @ QLinear(w)` == x @ W.T, with
+    x [..., k] float32 -> [..., n]. Stands in for a pre-transposed float32 (k, n) matrix."""
+
+    __array_ufunc__ = None   # NOTE(dispatch): makes ndarray.__matmul__ defer to __rmatmul__
+
+    def __init__(self, w, threads=None):
+        self.w, self.threads = w, threads
+        self.shape = (w.k, w.n)   # the float32 matrix it replaces is (in, out)
+        self.nbytes = w.nbytes
+
+    def __rmatmul__(self, x):
+        x = np.asarray(x, dtype=np.float32)
+        lead = x.shape[:-1]
+        if not AVAILABLE:
+            return quant.matmul_ref(x.reshape(-1, self.w.k), self.w).reshape(*lead, self.w.n)
+        y = qmatmul(x.reshape(-1, self.w.k), self.w, threads=self.threads)
+        return y.reshape(*lead, self.w.n)
+
+
+class QEmbedding:
+    """Row lookup `emb[ids]` -> float32 [len(ids), k] from a quantized [vocab, k] QMatrix."""
+
+    def __init__(self, w):
+        self.w, self.shape, self.nbytes = w, (w.n, w.k), w.nbytes
+
+    def __getitem__(self, ids):
+        return quant.embed_rows(self.w, ids)
+
+
 def qmatmul(x, w, out=None, threads=None, path="auto"):
     """y = x @ W.T for x float32 [B, k] and a quant.QMatrix W [n, k] -> float32 [B, n].
     `threads` caps the numba threads for this call (default: NUMBA_NUM_THREADS / all cores);
@@ -160,7 +192,6 @@ def _threads(n):
 def warmup():
     """Compiles (or loads from numba's on-disk cache) every kernel on tiny inputs; returns seconds."""
     import time
-    from . import quant
     t0 = time.perf_counter()
     rng = np.random.default_rng(0)
     raw4 = rng.integers(0, 256, (16, 20), dtype=np.uint8)
