@@ -126,6 +126,26 @@ def store_gguf_tensor(writer, name, w, qtype):
     return quants.dequantize(q, qt).reshape(w.shape).astype(np.float32)
 
 
+def llama3_rope_factors(cfg):
+    """The divisors llama.cpp's converter writes as rope_freqs.weight for llama3 rope scaling."""
+    s, hd = cfg["rope_scaling"], cfg["hidden_size"] // cfg["num_attention_heads"]
+    freqs = 1.0 / cfg["rope_theta"] ** (np.arange(0, hd, 2, dtype=np.float64) / hd)
+    low_wavelen = s["original_max_position_embeddings"] / s["low_freq_factor"]
+    high_wavelen = s["original_max_position_embeddings"] / s["high_freq_factor"]
+    factors = []
+    for freq in freqs:
+        wavelen = 2 * np.pi / freq
+        if wavelen < high_wavelen:
+            factors.append(1.0)
+        elif wavelen > low_wavelen:
+            factors.append(s["factor"])
+        else:
+            smooth = (s["original_max_position_embeddings"] / wavelen - s["low_freq_factor"]) / (
+                s["high_freq_factor"] - s["low_freq_factor"])
+            factors.append(1.0 / ((1 - smooth) / s["factor"] + smooth))
+    return np.array(factors, dtype=np.float32)
+
+
 def write_gguf(path, cfg, state, qtype="F32", drop=(), raw=None, arch="llama"):
     """Writes a llama GGUF the way llama.cpp's converter lays it out; returns the held values.
     drop: GGUF tensor names to leave out; raw: {GGUF name: (uint8 rows, GGMLQuantizationType)} to
@@ -144,9 +164,12 @@ def write_gguf(path, cfg, state, qtype="F32", drop=(), raw=None, arch="llama"):
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_rope_dimension_count(cfg["hidden_size"] // cfg["num_attention_heads"])
     w.add_vocab_size(cfg["vocab_size"])
-    if cfg.get("rope_scaling", {}).get("rope_type") == "linear":
+    scaling = cfg.get("rope_scaling") or {}
+    if scaling.get("rope_type") == "linear":
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
-        w.add_rope_scaling_factor(cfg["rope_scaling"]["factor"])
+        w.add_rope_scaling_factor(scaling["factor"])
+    elif scaling.get("rope_type") == "llama3":     # llama.cpp stores per-frequency divisors instead
+        w.add_tensor("rope_freqs.weight", llama3_rope_factors(cfg))
     _add_gguf_tokenizer(w)
     held = {}
     for name, value in state.items():

@@ -88,6 +88,10 @@ def test_gguf_matches_transformers(tiny_gguf, qtype, tied, n_kv_head):
     assert_parity(loaded, hf_from_state(tiny))
 
 
+LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 16}
+
+
 def test_gguf_linear_rope_scaling_matches_transformers(tiny_gguf):
     tiny = tiny_gguf(rope_scaling={"rope_type": "linear", "factor": 4.0}, rope_theta=500.0)
     loaded = load_model(tiny.path, device="cpu")
@@ -95,12 +99,18 @@ def test_gguf_linear_rope_scaling_matches_transformers(tiny_gguf):
     assert_parity(loaded, hf_from_state(tiny))
 
 
+def test_gguf_llama3_rope_freqs_match_transformers(tiny_gguf):
+    tiny = tiny_gguf(rope_scaling=LLAMA3_SCALING, rope_theta=50.0)
+    loaded = load_model(tiny.path, device="cpu")
+    assert loaded.config.rope_scaling == {} and loaded.model.w.rope_freqs is not None
+    assert_parity(loaded, hf_from_state(tiny))
+
+
 @pytest.mark.parametrize("kw", [
     {},
     {"tied": True, "n_kv_head": 1, "shards": 3},
     {"rope_scaling": {"rope_type": "linear", "factor": 2.0}},
-    {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                      "original_max_position_embeddings": 16}, "rope_theta": 50.0},
+    {"rope_scaling": LLAMA3_SCALING, "rope_theta": 50.0},
     {"dtype": "F16"},
     {"dtype": "BF16", "tied": True},
 ])
