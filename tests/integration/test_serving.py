@@ -133,9 +133,10 @@ class Running:
 def assert_starts_within_a_step(server, raw_stream, baseline, step):
     """The next request gets its first token about as fast as on an idle server."""
     delay = first_token_delay(server, raw_stream)
-    # NOTE(slack): one step for the cancel to land, one for noise, plus 0.3 s for a shared CI host;
-    # a request left running would instead hold the engine for hundreds of steps.
-    limit = baseline + 2 * step + 0.3
+    # NOTE(slack): one step for the cancel to land, two more for step-time noise, plus 0.5 s for a
+    # shared 2-core host; a request left running would instead hold the engine for hundreds of steps.
+    limit = baseline + 3 * step + 0.5
+    assert LONG * step > 10 * limit, "the long request is too short to tell"
     measured = f"next request's first token after {delay:.3f} s (idle {baseline:.3f} s, step {step:.3f} s)"
     print(f"[{server.worker_class}] {measured}")
     assert delay <= limit, measured
@@ -147,7 +148,6 @@ def test_client_leaving_mid_stream_frees_the_engine_within_a_step(server, raw_st
     running = Running(server, raw_stream)
     running.leave()
     assert_starts_within_a_step(server, raw_stream, baseline, running.step)
-    assert LONG * running.step > 2.0          # the test would notice a run left going
 
 
 def test_queued_client_leaving_drops_out_of_the_queue(server, raw_stream):
