@@ -16,6 +16,7 @@ from .resources.health import Health
 from .resources.metrics import Metrics
 from .resources.messages import CountTokens, Messages
 from .resources.models import Model, Models
+from .resources.tokenize import Detokenize, Tokenize
 from .resources.openapi import OpenApi
 from .schemas import common, openai
 from .service import Service
@@ -62,6 +63,8 @@ def add_routes(app, service, config):
     app.add_route("/v1/models", Models(service))
     app.add_route("/v1/models/{model_id:path}", Model(service))
     app.add_route("/health", Health(service))
+    app.add_route("/tokenize", Tokenize(service, config.max_body))
+    app.add_route("/detokenize", Detokenize(service, config.max_body))
     app.add_route("/metrics", Metrics(service))
     app.add_route("/openapi.json", OpenApi())
 

@@ -239,6 +239,8 @@ class Service:
     def tokenize(self, req):
         """(token ids, max context) for a GenerationRequest's prompt, as `run` would build them."""
         engine = self.registry.resolve(req.model)
+        if req.prompt == "" and not req.add_bos:
+            return [], self._context(engine)
         return self._prompt_ids(engine, req), self._context(engine)
 
     def detokenize(self, model, ids):
@@ -480,8 +482,8 @@ class Generation:
             self.finish_reason = event.reason
             if event.reason == FinishReason.CANCELLED:
                 return
-            if event.text or self._lp_pending:
-                yield TextDelta(event.text, self._take_logprobs(), i)
+            if event.text or self._lp_pending or (self._report and not self._completion_tokens):
+                yield TextDelta(event.text, self._take_logprobs(), i)   # logprobs: [] when nothing came
             self._account(event.completion_tokens or self._completion_tokens, event.cached_tokens)
             yield Finished(event.reason, self.usage, event.stop_string, i, last)
         elif not isinstance(event, Prefill):

@@ -1,0 +1,29 @@
+"""POST /tokenize and /detokenize: the model's tokenizer, exactly as the generation routes use it."""
+from ..middleware import read_json
+from ..schemas import tokenize
+from ..schemas.chat import ChatRequest, generation_request
+from .chat import plan_for
+
+
+class Tokenize:
+    def __init__(self, service, max_body):
+        self._service = service
+        self._max_body = max_body
+
+    def on_post(self, req, resp):
+        request = tokenize.parse_tokenize(read_json(req, self._max_body))
+        if isinstance(request, ChatRequest):
+            # NOTE(tokenize): the chat route's own planning, so count == its usage.prompt_tokens
+            request = generation_request(request, plan_for(self._service, request))
+        ids, max_len = self._service.tokenize(request)
+        resp.media = tokenize.tokenize_body(ids, max_len)
+
+
+class Detokenize:
+    def __init__(self, service, max_body):
+        self._service = service
+        self._max_body = max_body
+
+    def on_post(self, req, resp):
+        model, ids = tokenize.parse_detokenize(read_json(req, self._max_body))
+        resp.media = tokenize.detokenize_body(self._service.detokenize(model, ids))

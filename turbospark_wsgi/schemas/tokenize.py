@@ -1,0 +1,53 @@
+"""POST /tokenize and /detokenize: request bodies in, response bodies out.
+
+    {"model"?, "content" | "prompt" | "messages" (+ "tools", "chat_template_kwargs"), "add_special"?}
+        -> {"tokens": [...], "count": N, "max_model_len": C}
+    {"model"?, "tokens": [...]} -> {"prompt": "..."}
+
+Text is tokenized as /v1/completions does it (BOS first unless add_special is false); messages as
+/v1/chat/completions does it, so `count` equals that route's `usage.prompt_tokens`.
+"""
+from ..engine import SamplingParams
+from ..errors import InvalidRequest
+from ..service import GenerationRequest
+from .chat import ChatRequest
+from .chat_messages import parse_messages, parse_tool_choice, parse_tools
+from .common import expect_object, is_int, opt_bool, type_name
+from .openai import TOKEN_ID_LIMIT, model_name
+
+
+def parse_tokenize(doc):
+    """-> a GenerationRequest (text) or a ChatRequest (messages; the caller plans its template)."""
+    expect_object(doc)
+    model = model_name(doc)
+    if doc.get("messages") is not None:
+        tools = parse_tools(doc.get("tools"))
+        choice = parse_tool_choice(doc.get("tool_choice"), tools)
+        kwargs = doc.get("chat_template_kwargs") or {}
+        expect_object(kwargs, "chat_template_kwargs")
+        return ChatRequest(messages=parse_messages(doc["messages"]), params=SamplingParams(), model=model,
+                           tools=tools if choice != "none" else None, tool_choice=choice,
+                           template_kwargs=dict(kwargs))
+    key = "content" if "content" in doc else "prompt"
+    text = doc.get(key)
+    if not isinstance(text, str):
+        raise InvalidRequest(f"'{key}' must be a string (or give 'messages'), got {type_name(text)}", param=key)
+    return GenerationRequest(model=model, prompt=text, add_bos=opt_bool(doc, "add_special", True),
+                             prompt_param=key)
+
+
+def parse_detokenize(doc):
+    """-> (model or None, token ids)."""
+    expect_object(doc)
+    tokens = doc.get("tokens")
+    if not isinstance(tokens, list) or not all(is_int(t) and 0 <= t < TOKEN_ID_LIMIT for t in tokens):
+        raise InvalidRequest("'tokens' must be an array of non-negative token ids", param="tokens")
+    return model_name(doc), tokens
+
+
+def tokenize_body(ids, max_model_len):
+    return {"tokens": list(ids), "count": len(ids), "max_model_len": max_model_len}
+
+
+def detokenize_body(text):
+    return {"prompt": text}
