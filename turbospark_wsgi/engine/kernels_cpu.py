@@ -13,6 +13,11 @@ import numpy as np
 
 from . import quant
 
+# NOTE(threads): numba's default OpenMP layer (libgomp) spins between parallel regions; with
+# another busy process on a 2-core machine that made a 160 us kernel take 10-20 ms (measured).
+# Passive waiting keeps the worst case near the one-thread time. Must be set before libgomp loads.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 try:
     import numba
     from numba import njit, prange
@@ -150,14 +155,15 @@ def qmatmul(x, w, out=None, threads=None, path="auto"):
 
 
 def _gemv(x, p, y):
-    padded = p.qs.shape[0] * p.tile
-    buf = np.empty((x.shape[0], padded), np.float32)
+    direct = p.qs.shape[0] * p.tile == p.n and y.flags.c_contiguous
+    buf = y if direct else np.empty((x.shape[0], p.qs.shape[0] * p.tile), np.float32)
     if p.kind == "q4":
         xsum = x.reshape(x.shape[0], -1, 32).sum(axis=-1)          # [B, K/32] for the mins
         _q4_gemv(x, xsum, p.qs, p.d, p.m, buf)
     else:
         _q8_gemv(x, p.qs, p.d, buf)
-    y[...] = buf[:, :p.n]
+    if not direct:
+        y[...] = buf[:, :p.n]
 
 
 def _blas(x, p, y):
