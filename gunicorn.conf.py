@@ -3,7 +3,16 @@
 Bind address, threads and worker class come from TURBOSPARK_HOST / PORT / THREADS / WORKER_CLASS
 (see turbospark_wsgi.config.Config). One worker per process-wide model and FIFO queue; each open
 stream pins a gthread thread, so threads >= max_waiting + running + headroom.
+
+Shutdown: on SIGTERM a worker stops accepting, answers every queued request at once with 503
+"server shutting down" (an SSE error event for a stream already open), and lets running
+generations finish within graceful_timeout (TURBOSPARK_GRACEFUL_TIMEOUT).
 """
+import glob
+import os
+import signal
+import threading
+
 from turbospark_wsgi.config import Config
 
 _config = Config.from_env()
@@ -15,7 +24,7 @@ workers = 1                                  # one engine, one compute thread an
 threads = max(_config.threads, _config.max_waiting + 4)
 worker_connections = max(100, threads)       # gevent: concurrent connections per worker
 timeout = 30                                 # heartbeat only: engine work runs off the request threads
-graceful_timeout = 600                       # let long generations finish on SIGTERM / reload
+graceful_timeout = int(_config.graceful_timeout)  # let running generations finish on SIGTERM / reload
 keepalive = 75                               # longer than nginx's upstream keepalive idle timeout
 max_requests = 0                             # a request-count restart would cut streams and reload the model
 preload_app = False                          # load the model post-fork: never touch CUDA in the master
@@ -28,3 +37,35 @@ logconfig_dict = {
     "root": {"level": "INFO", "handlers": ["error_console"]},
     "loggers": {"turbospark": {"level": "INFO", "propagate": True}},
 }
+
+
+def on_starting(server):
+    # NOTE(metrics): samples left by a previous run would be summed into this one's.
+    directory = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    if directory:
+        os.makedirs(directory, exist_ok=True)
+        for path in glob.glob(os.path.join(directory, "*.db")):
+            os.remove(path)
+
+
+def post_worker_init(worker):
+    """SIGTERM: the queue drops its waiters with a 503 at once, then gunicorn's own handler stops
+    accepting and waits for the running generation."""
+    previous = signal.getsignal(signal.SIGTERM)
+
+    def on_term(signum, frame):
+        from turbospark_wsgi.queue import shut_down_all
+
+        # NOTE(signals): the queue's lock is taken on a fresh thread (a greenlet under gevent),
+        # never inside the handler, which may have interrupted a holder of that lock.
+        threading.Thread(target=shut_down_all, name="turbospark-shutdown", daemon=True).start()
+        if callable(previous):
+            previous(signum, frame)
+
+    signal.signal(signal.SIGTERM, on_term)
+
+
+def child_exit(server, worker):
+    from turbospark_wsgi.metrics import mark_process_dead
+
+    mark_process_dead(worker.pid)
