@@ -1,9 +1,13 @@
 """Bounded load test: concurrent streaming and non-streaming completions, some clients leaving early.
 
-    python tools/load_test.py --url http://127.0.0.1:8000 --requests 40 --concurrency 6
+    python tools/load_test.py --url http://127.0.0.1:8000 --requests 400 --concurrency 200
 
 Stdlib only (http.client); talks to the server, not the package. Loopback targets only unless
 --allow-remote. Stops after --requests requests or --duration seconds, whichever comes first.
+A leaving client closes its connection at a random point: while queued, during prefill, or
+mid-decode. Every completed request is checked (a non-empty choice with a finish reason; a
+stream ends with `data: [DONE]`); every rejection must be a 503 with Retry-After. Prints
+completed, rejected, disconnected and error counts with latency percentiles (--json: one object).
 """
 import argparse
 import http.client
@@ -23,7 +27,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--url", default="http://127.0.0.1:8000")
     p.add_argument("--requests", type=int, default=40, help="total requests (bounded)")
-    p.add_argument("--concurrency", type=int, default=6)
+    p.add_argument("--concurrency", type=int, default=6, help="client threads (up to 1000)")
     p.add_argument("--duration", type=float, default=120.0, help="stop starting requests after this")
     p.add_argument("--stream-fraction", type=float, default=0.5)
     p.add_argument("--disconnect-fraction", type=float, default=0.2)
@@ -33,8 +37,12 @@ def parse_args(argv=None):
     p.add_argument("--api-key", default="x")
     p.add_argument("--timeout", type=float, default=120.0, help="per-request socket timeout")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="print one JSON summary instead of text")
     p.add_argument("--allow-remote", action="store_true")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if not 1 <= args.concurrency <= 1000 or args.requests < 0:
+        p.error("--concurrency must be 1..1000 and --requests >= 0")
+    return args
 
 
 class Client:
@@ -57,57 +65,90 @@ class Client:
         finally:
             conn.close()
 
-    def one(self, model, stream, leave_early, rng):
-        """-> (outcome, ttfb seconds or None, total seconds)."""
+    def one(self, model, stream, leave_at, rng):
+        """-> (outcome, ttfb seconds or None, total seconds). `leave_at`: None or seconds / events."""
         body = json.dumps({"model": model, "prompt": self.args.prompt, "stream": stream,
                            "max_tokens": self.args.max_tokens, "temperature": 0})
         conn, start = self.connect(), time.perf_counter()
         try:
             conn.request("POST", "/v1/completions", body=body, headers=self.headers())
-            if leave_early and not stream:
-                time.sleep(rng.uniform(0.0, 0.5))          # leave while queued or generating
+            if leave_at is not None and not stream:
+                time.sleep(leave_at)                    # leave while queued, in prefill or decoding
                 _abort(conn)
                 return "disconnected", None, time.perf_counter() - start
             resp = conn.getresponse()
             if resp.status != 200:
                 resp.read()
-                return ("rejected" if resp.status in (429, 503) else f"http_{resp.status}",
-                        None, time.perf_counter() - start)
-            return self._read(resp, conn, stream, leave_early, start)
+                return _refusal(resp), None, time.perf_counter() - start
+            return self._read(resp, conn, stream, leave_at, start)
         except (OSError, http.client.HTTPException) as exc:
             return f"error:{type(exc).__name__}", None, time.perf_counter() - start
         finally:
             conn.close()
 
-    def _read(self, resp, conn, stream, leave_early, start):
+    def _read(self, resp, conn, stream, leave_at, start):
         if not stream:
-            json.loads(resp.read())
-            return "completed", None, time.perf_counter() - start
-        ttfb, events = None, 0
+            body = json.loads(resp.read())
+            ok = body.get("choices") and body["choices"][0].get("finish_reason") in ("stop", "length")
+            return ("completed" if ok else "error:bad_body"), None, time.perf_counter() - start
+        ttfb, events, finish = None, 0, None
         for line in resp:
-            if line.startswith(b"data: "):
-                ttfb = ttfb or time.perf_counter() - start
-                events += 1
-                if line.strip() == b"data: [DONE]":
-                    return "completed", ttfb, time.perf_counter() - start
-                if leave_early and events >= 2:
-                    _abort(conn)
-                    return "disconnected", ttfb, time.perf_counter() - start
+            if line.startswith(b"event: error"):
+                return "error:stream_error_event", ttfb, time.perf_counter() - start
+            if not line.startswith(b"data: "):
+                continue
+            ttfb = ttfb or time.perf_counter() - start
+            if line.strip() == b"data: [DONE]":
+                outcome = "completed" if finish else "error:no_finish_reason"
+                return outcome, ttfb, time.perf_counter() - start
+            events += 1
+            finish = finish or _finish_reason(line)
+            if leave_at is not None and events >= leave_at:
+                _abort(conn)
+                return "disconnected", ttfb, time.perf_counter() - start
         return "error:truncated", ttfb, time.perf_counter() - start
+
+
+def _refusal(resp):
+    if resp.status in (429, 503):
+        return "rejected" if resp.getheader("Retry-After") else "error:503_without_retry_after"
+    return f"http_{resp.status}"
+
+
+def _finish_reason(line):
+    try:
+        choices = json.loads(line[6:]).get("choices") or [{}]
+    except ValueError:
+        return None
+    return choices[0].get("finish_reason")
 
 
 def _abort(conn):
     if conn.sock is not None:
-        conn.sock.shutdown(socket.SHUT_RDWR)
+        try:
+            conn.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
     conn.close()
+
+
+def make_plan(args):
+    """[(stream, leave_at)]: leave_at None, seconds (non-streaming) or a data-event count (streams)."""
+    rng = random.Random(args.seed)
+    plan = []
+    for _ in range(args.requests):
+        stream = rng.random() < args.stream_fraction
+        leave = rng.random() < args.disconnect_fraction
+        leave_at = None if not leave else (rng.randint(1, max(args.max_tokens, 1)) if stream
+                                           else rng.uniform(0.0, 0.5))
+        plan.append((stream, leave_at))
+    return plan
 
 
 def run(args):
     client = Client(args)
     model = args.model or client.first_model()
-    rng = random.Random(args.seed)
-    plan = [(rng.random() < args.stream_fraction, rng.random() < args.disconnect_fraction)
-            for _ in range(args.requests)]
+    plan = make_plan(args)
     results, lock = [], threading.Lock()
     deadline = time.monotonic() + args.duration
 
@@ -117,37 +158,53 @@ def run(args):
             with lock:
                 if not plan:
                     return
-                stream, leave = plan.pop()
-            outcome = client.one(model, stream, leave, local)
+                stream, leave_at = plan.pop()
+            outcome = client.one(model, stream, leave_at, local)
             with lock:
                 results.append((stream, *outcome))
 
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(args.concurrency)]
+    threads = [threading.Thread(target=worker, args=(i,), daemon=True) for i in range(args.concurrency)]
     started = time.perf_counter()
     for t in threads:
         t.start()
     for t in threads:
-        t.join()
+        t.join(args.duration + args.timeout + 5)
     return results, time.perf_counter() - started
 
 
-def report(results, elapsed):
+def summarize(results, elapsed):
     counts = Counter(outcome for _, outcome, _, _ in results)
-    print(f"requests: {len(results)} in {elapsed:.1f} s")
+    summary = {"requests": len(results), "elapsed_s": round(elapsed, 3)}
     for key in ("completed", "rejected", "disconnected"):
-        print(f"  {key}: {counts.pop(key, 0)}")
-    print(f"  errors: {sum(counts.values())} {dict(counts) if counts else ''}")
+        summary[key] = counts.pop(key, 0)
+    summary["errors"] = sum(counts.values())
+    summary["error_kinds"] = dict(counts)
     done = [r for r in results if r[1] == "completed"]
-    _percentiles("latency (completed)", [total for _, _, _, total in done])
-    _percentiles("time to first data event (streams)", [t for _, _, t, _ in done if t is not None])
+    summary["latency_s"] = _percentiles([total for _, _, _, total in done])
+    summary["first_event_s"] = _percentiles([t for _, _, t, _ in done if t is not None])
+    summary["rejection_latency_s"] = _percentiles([total for _, o, _, total in results if o == "rejected"])
+    return summary
 
 
-def _percentiles(label, values):
+def _percentiles(values):
     if not values:
-        return
+        return None
     values = sorted(values)
     q = statistics.quantiles(values, n=100, method="inclusive") if len(values) > 1 else values * 99
-    print(f"{label}: p50 {q[49]:.3f} s  p90 {q[89]:.3f} s  p99 {q[98]:.3f} s  max {values[-1]:.3f} s")
+    return {"p50": round(q[49], 4), "p90": round(q[89], 4), "p99": round(q[98], 4), "max": round(values[-1], 4)}
+
+
+def report(summary):
+    print(f"requests: {summary['requests']} in {summary['elapsed_s']:.1f} s")
+    for key in ("completed", "rejected", "disconnected"):
+        print(f"  {key}: {summary[key]}")
+    kinds = summary["error_kinds"]
+    print(f"  errors: {summary['errors']} {kinds if kinds else ''}")
+    for label, key in (("latency (completed)", "latency_s"), ("time to first data event (streams)", "first_event_s"),
+                       ("rejection latency (503)", "rejection_latency_s")):
+        q = summary[key]
+        if q:
+            print(f"{label}: p50 {q['p50']:.3f} s  p90 {q['p90']:.3f} s  p99 {q['p99']:.3f} s  max {q['max']:.3f} s")
 
 
 def _is_loopback(host):
@@ -162,9 +219,9 @@ def main(argv=None):
     if not args.allow_remote and not _is_loopback(urlsplit(args.url).hostname or ""):
         print("refusing a non-loopback target without --allow-remote", file=sys.stderr)
         return 2
-    results, elapsed = run(args)
-    report(results, elapsed)
-    return 0 if all(not r[1].startswith(("error", "http_")) for r in results) else 1
+    summary = summarize(*run(args))
+    print(json.dumps(summary)) if args.json else report(summary)
+    return 0 if summary["errors"] == 0 else 1
 
 
 if __name__ == "__main__":
