@@ -54,11 +54,17 @@ def post_worker_init(worker):
     previous = signal.getsignal(signal.SIGTERM)
 
     def on_term(signum, frame):
+        from turbospark_wsgi.compute import gevent_patched
         from turbospark_wsgi.queue import shut_down_all
 
-        # NOTE(signals): the queue's lock is taken on a fresh thread (a greenlet under gevent),
-        # never inside the handler, which may have interrupted a holder of that lock.
-        threading.Thread(target=shut_down_all, name="turbospark-shutdown", daemon=True).start()
+        # NOTE(signals): the queue's lock is taken on a fresh thread, never inside the handler, which
+        # may have interrupted a holder of that lock. Under gevent the handler runs in a hub callback,
+        # where Thread.start() would block: spawn a greenlet instead.
+        if gevent_patched():
+            import gevent
+            gevent.spawn(shut_down_all)
+        else:
+            threading.Thread(target=shut_down_all, name="turbospark-shutdown", daemon=True).start()
         if callable(previous):
             previous(signum, frame)
 
