@@ -8,8 +8,9 @@ GEMV_MAX_B rows, dequantized slabs + BLAS above) and of `x @ Wt` with a pre-tran
 GB/s of the bytes each holds, the ratio, and a per-token estimate for the whole model (30 layers
 of qkv/o/gate|up/down in the layer type + the 49152x576 head in Q8_0). Shapes are (out, in); the
 K-quants need in % 256 == 0, so they are measured with in = 576 rounded up to 768.
-`model`: decode steps of the real model through engine/model.py with float32 weights and with the
-quantized drop-ins (kernels_cpu.QLinear / QEmbedding), tok/s, max |logit difference|, peak RSS.
+`model`: the real model through engine/model.py with float32 weights and with the quantized drop-ins
+(kernels_cpu.QLinear / QEmbedding): prefill tok/s, decode tok/s, max |logit difference| along the
+greedy path, peak RSS (run with --only for each path's own RSS).
 """
 import argparse
 import os
@@ -66,8 +67,8 @@ def bench_shapes(args):
     rng = np.random.default_rng(0)
     batches = [int(b) for b in args.batches.split(",")]
     print(f"threads: numba {kernels_cpu.numba.get_num_threads()}, GEMV_MAX_B {kernels_cpu.GEMV_MAX_B}")
-    print(f"{'type':5} {'shape':8} {'n x k':12} {'B':>2} {'quant us':>9} {'GB/s':>6} "
-          f"{'fp32 us':>9} {'GB/s':>6} {'fp32/quant':>10}")
+    print(f"{'type':5} {'shape':8} {'n x k':12} {'B':>2} {'gemv us':>8} {'blas us':>8} {'quant GB/s':>10} "
+          f"{'fp32 us':>8} {'GB/s':>6} {'fp32/quant':>10}")
     table = {}
     for qtype in args.types.split(","):
         for name, (n, k) in SHAPES.items():
@@ -76,11 +77,13 @@ def bench_shapes(args):
             wt = np.ascontiguousarray(quant.dequantize(w).T)                  # [k, n] as the engine holds it
             for b in batches:
                 x = rng.standard_normal((b, k)).astype(np.float32)
-                tq = median_us(lambda: kernels_cpu.qmatmul(x, w), args.repeats)
+                tg = median_us(lambda: kernels_cpu.qmatmul(x, w, path="gemv"), args.repeats)
+                tb = median_us(lambda: kernels_cpu.qmatmul(x, w, path="blas"), args.repeats)
                 tf = median_us(lambda: x @ wt, args.repeats)
+                tq = tg if b <= kernels_cpu.GEMV_MAX_B else tb                # what "auto" picks
                 table[qtype, name, b] = (tq, tf)
-                print(f"{qtype:5} {name:8} {f'{n}x{k}':12} {b:>2} {tq:9.0f} {w.nbytes / tq / 1e3:6.1f} "
-                      f"{tf:9.0f} {wt.nbytes / tf / 1e3:6.1f} {tf / tq:10.2f}", flush=True)
+                print(f"{qtype:5} {name:8} {f'{n}x{k}':12} {b:>2} {tg:8.0f} {tb:8.0f} {w.nbytes / tq / 1e3:10.1f} "
+                      f"{tf:8.0f} {wt.nbytes / tf / 1e3:6.1f} {tf / tq:10.2f}", flush=True)
     print_estimates(table, args.types.split(","), batches)
 
 
@@ -150,6 +153,15 @@ def bench_model(args):
                      (lw.wqkv, lw.wo, lw.w_gate_up, lw.w_down)) + q.w.head.nbytes
         print(f"quantized matrices hold {nbytes / 1e6:.1f} MB")
     logits = {}
+    for name, (model, _) in runs.items():
+        ids = np.random.default_rng(0).integers(0, model.cfg.vocab_size, args.prefill)
+        times = []
+        for _ in range(args.prefill_repeats):
+            t0 = time.perf_counter()
+            model.forward(ids, model.new_cache(args.prefill))
+            times.append(time.perf_counter() - t0)
+        print(f"{name}: prefill {args.prefill} tokens median {statistics.median(times):.2f} s "
+              f"= {args.prefill / statistics.median(times):.0f} tok/s")
     for name, (model, load_s) in runs.items():
         cache = model.new_cache(len(prompt) + args.steps + 1)
         out = [model.forward(prompt, cache)]
@@ -181,6 +193,8 @@ def main(argv=None):
     m.add_argument("--model", default=DEFAULT_MODEL)
     m.add_argument("--steps", type=int, default=64)
     m.add_argument("--only", choices=("fp32", "quant"))
+    m.add_argument("--prefill", type=int, default=512)
+    m.add_argument("--prefill-repeats", type=int, default=2)
     args = p.parse_args(argv)
     print(f"kernel warmup (compile or cache load): {kernels_cpu.warmup():.2f} s "
           f"(+ import {IMPORT_S:.2f} s)")
