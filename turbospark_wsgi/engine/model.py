@@ -15,7 +15,7 @@ class Transformer:
         self.inv_freq = rope_inv_freq(cfg, weights.rope_freqs)    # host float64 [rope_dim / 2]
         self._cos = self._sin = None
         self._masks = {}
-        self._rope_table(cfg.max_seq_len)
+        self._rope_table(min(cfg.max_seq_len, 4096))                   # grows on demand
 
     def new_cache(self, max_seq=None):
         """An empty KVCache for up to `max_seq` positions (default: the model's context length)."""
