@@ -47,6 +47,7 @@ def text_content(content, param):
     texts = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
+        kind = kind if isinstance(kind, str) else None      # a non-string type is no known part
         if kind in _UNSUPPORTED_PARTS:
             fail(f"{param}[{j}].type",
                  f"{_UNSUPPORTED_PARTS[kind].capitalize()} input is not supported: this server serves text-only models.")
