@@ -85,6 +85,15 @@ _SCHEMAS = {
     "CountTokensRequest": {"type": "object", "required": ["messages"], "properties": {
         "model": _STR, "messages": {"type": "array", "minItems": 1, "items": _ref("AnthropicMessage")},
         "system": {"oneOf": [_STR, {"type": "array"}]}, "tools": {"type": "array", "items": _OBJ}}},
+    "TokenizeRequest": {"type": "object", "properties": {
+        "model": _STR, "content": _STR, "prompt": _STR, "add_special": _BOOL,
+        "messages": {"type": "array", "minItems": 1, "items": _ref("ChatMessage")},
+        "tools": {"type": "array", "items": _OBJ}, "chat_template_kwargs": _OBJ}},
+    "Tokens": {"type": "object", "required": ["tokens", "count", "max_model_len"],
+               "properties": {"tokens": {"type": "array", "items": _INT}, "count": _INT, "max_model_len": _INT}},
+    "DetokenizeRequest": {"type": "object", "required": ["tokens"], "properties": {
+        "model": _STR, "tokens": {"type": "array", "items": {"type": "integer", "minimum": 0}}}},
+    "Detokenized": {"type": "object", "required": ["prompt"], "properties": {"prompt": _STR}},
     "TokenCount": {"type": "object", "required": ["input_tokens"], "properties": {"input_tokens": _INT}},
     "Model": {"type": "object", "required": ["id", "object", "created", "owned_by"],
               "properties": {"id": _STR, "object": {"const": "model"}, "created": _INT, "owned_by": _STR,
@@ -138,6 +147,9 @@ def spec(version="0"):
                 "Anthropic token count", "CountTokensRequest", "TokenCount", "AnthropicError", stream=False),
             "/v1/models": _get("Installed models", _json(_ref("ModelList"))),
             "/v1/models/{model_id}": _get("One installed model", _json(_ref("Model")), ("model_id",)),
+            "/tokenize": _post("Token ids of a prompt or chat, as generation would see them", "TokenizeRequest",
+                               "Tokens", stream=False),
+            "/detokenize": _post("Text of token ids", "DetokenizeRequest", "Detokenized", stream=False),
             "/health": _get("Readiness", _json(_ref("Health")),
                             extra={"503": {"description": "not ready", "content": _json(_ref("Health"))}}),
             "/metrics": _get("Prometheus metrics", {"text/plain": {"schema": _STR}}),
