@@ -37,7 +37,7 @@ def refused(body):
     ({"messages": USER, "tool_choice": "required"}, "tool_choice"),
     ({"messages": USER, "tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
     ({"messages": USER, "tools": [TOOL], "tool_choice": "sometimes"}, "tool_choice"),
-    ({"messages": USER, "n": 17}, "n"),
+    ({"messages": USER, "n": 21}, "n"),
     ({"messages": USER, "response_format": {"type": "xml"}}, "response_format"),
     ({"messages": USER, "response_format": {"type": "json_schema", "json_schema": {}}}, "response_format.json_schema"),
     ({"messages": USER, "top_logprobs": 2}, "top_logprobs"),

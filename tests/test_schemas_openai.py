@@ -73,7 +73,7 @@ def test_logprobs_null_means_none():
 
 @pytest.mark.parametrize("fields, param", [
     ({"logprobs": 21}, "logprobs"), ({"logprobs": -1}, "logprobs"), ({"n": 3, "best_of": 2}, "best_of"),
-    ({"n": 17}, "n"), ({"best_of": 21}, "best_of"), ({"max_tokens": 0}, "max_tokens"),
+    ({"n": 21}, "n"), ({"best_of": 21}, "best_of"), ({"max_tokens": 0}, "max_tokens"),
     ({"max_tokens": -1, "echo": True}, "max_tokens")])
 def test_logprobs_n_best_of_and_max_tokens_bounds(fields, param):
     with pytest.raises(InvalidRequest) as e:

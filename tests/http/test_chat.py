@@ -159,7 +159,7 @@ def test_history_with_tool_turns_renders(harness):
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "u"}}]}]},
      "messages[0].content[0].type"),
     ({"messages": USER, "response_format": {"type": "bogus"}}, "response_format"),
-    ({"messages": USER, "n": 17}, "n"),
+    ({"messages": USER, "n": 21}, "n"),
 ])
 def test_validation_errors_use_the_openai_envelope(harness, body, param):
     set_reply(harness, "x")

@@ -9,7 +9,7 @@ from .chat_messages import parse_messages, parse_tool_choice, parse_tools
 from .checks import fail
 
 REASONING_FORMATS = ("auto", "parsed", "deepseek", "none")
-MAX_CHOICES = 16
+MAX_CHOICES = 20
 SEED_LIMIT = 2 ** 64
 
 

@@ -14,7 +14,7 @@ from .common import (expect_object, is_int, logit_bias, opt_bool, opt_int, opt_n
 DEGRADATION_HEADER = "x-anyllm-degradation"
 MAX_TOKENS_LIMIT = 2 ** 31 - 1
 TOKEN_ID_LIMIT = 2 ** 31
-MAX_CHOICES = 16                # n
+MAX_CHOICES = 20                # n
 MAX_BEST_OF = 20
 
 # NOTE(degradations): fields /v1/completions accepts but does not honour, each with the test that

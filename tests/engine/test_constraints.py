@@ -1,0 +1,77 @@
+"""Constrained decoding on the engine: masks, the Sampler hook, and whole runs that must validate."""
+import json
+
+import numpy as np
+import pytest
+
+from turbospark_wsgi.engine import SamplingParams, Token, load_engine
+from turbospark_wsgi.engine.sampling import Sampler
+
+jsonschema = pytest.importorskip("jsonschema")
+pytest.importorskip("llguidance")
+
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["n", "flag", "word"], "properties": {
+    "n": {"type": "integer", "minimum": 0, "maximum": 50}, "flag": {"type": "boolean"},
+    "word": {"enum": ["the", "in", "tea"]}}}
+GRAMMAR = {"grammars": [{"json_schema": {**SCHEMA, "x-guidance": {"whitespace_flexible": False}}}]}
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    import importlib.util
+    from pathlib import Path
+    spec = importlib.util.spec_from_file_location("tiny_models", Path(__file__).with_name("conftest.py"))
+    tiny = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tiny)
+    root = tmp_path_factory.mktemp("tiny")
+    cfg = tiny.hf_config()
+    tiny.write_hf_dir(root / "m", cfg, tiny.random_state(cfg, 0))
+    return load_engine(str(root / "m"), device="cpu")
+
+
+def run(engine, grammar, seed, **sampling):
+    params = SamplingParams(max_new_tokens=80, seed=seed, constraint=grammar.start(), **sampling)
+    prompt = engine.encode("json:", add_bos=True)
+    return [e.id for e in engine.generate(prompt, params) if isinstance(e, Token)]
+
+
+def test_the_first_mask_allows_only_an_object_start(engine):
+    mask = engine.compile_grammar(GRAMMAR).start().allowed_mask()
+    assert mask.dtype == bool and mask.shape == (engine.config.vocab_size,)
+    allowed = {engine.tokenizer.token_bytes(int(i)) for i in np.nonzero(mask)[0]}
+    assert allowed == {b"{"}
+
+
+@pytest.mark.parametrize("sampling", [{"temperature": 1.0}, {"temperature": 1.5, "top_k": 5},
+                                      {"temperature": 0.8, "top_p": 0.5, "min_p": 0.1}, {"temperature": 0.0}])
+def test_runs_parse_and_validate_under_every_sampler(engine, sampling):
+    grammar = engine.compile_grammar(GRAMMAR)
+    for seed in range(5):
+        ids = run(engine, grammar, seed, **sampling)
+        jsonschema.validate(json.loads(engine.decode(ids)), SCHEMA)
+
+
+def test_the_sampler_never_draws_a_masked_token(engine):
+    grammar = engine.compile_grammar(GRAMMAR)
+    rng = np.random.default_rng(0)
+    constraint = grammar.start()
+    sample = Sampler(SamplingParams(temperature=2.0, seed=1, constraint=constraint, logprobs=0))
+    for _ in range(12):
+        mask = constraint.allowed_mask()
+        token, logprob, _ = sample(rng.standard_normal(engine.config.vocab_size).astype(np.float32) * 5)
+        assert mask[token] and logprob is not None
+        if constraint.is_done():
+            break
+
+
+def test_same_seed_same_constrained_output(engine):
+    grammar = engine.compile_grammar(GRAMMAR)
+    assert run(engine, grammar, 7) == run(engine, grammar, 7)
+
+
+@pytest.mark.parametrize("schema, words", [
+    ({"type": "object", "properties": {"a": {"$ref": "#/definitions/nope"}}}, "nope"),
+    ({"type": "strange"}, "strange")])
+def test_a_grammar_that_cannot_compile_names_the_problem(engine, schema, words):
+    with pytest.raises(ValueError, match=words):
+        engine.compile_grammar({"grammars": [{"json_schema": schema}]})
