@@ -128,6 +128,13 @@ def test_qlinear_is_a_drop_in_for_a_transposed_float_matrix():
     close(y.reshape(6, 96), x.reshape(6, 192) @ ref.T)
 
 
+def test_supported_names_the_types_and_shapes_kept_in_block_form():
+    assert quant.supported(GT.Q4_1.value, (576, 576)) and quant.supported(GT.Q6_K.value, (8, 512))
+    assert not quant.supported(GT.Q4_K.value, (576, 576))          # 576 is not a multiple of 256
+    assert not quant.supported(GT.Q5_K.value, (8, 512)) and not quant.supported(GT.F32.value, (8, 64))
+    assert not quant.supported(GT.Q8_0.value, (64,))
+
+
 def test_unsupported_type_and_bad_shapes_raise():
     with pytest.raises(ValueError, match="no block kernel"):
         quant.decode(np.zeros((4, 22), np.uint8), GT.Q5_0.value, (4, 32))

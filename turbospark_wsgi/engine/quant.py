@@ -85,6 +85,12 @@ class QMatrix:
 
 # ---------------------------------------------------------------------------- GGUF blocks
 
+def supported(ggml_type, shape):
+    """Whether a GGUF tensor of this type and shape can be held in block form (else keep float32)."""
+    per = 256 if SUPPORTED.get(ggml_type, "").endswith("_K") else QK
+    return ggml_type in SUPPORTED and len(shape) == 2 and shape[1] % per == 0
+
+
 def decode(raw, ggml_type, shape):
     """GGUF tensor bytes (uint8 [n, row_bytes], e.g. `GGUFFile.raw(name)`) of a 2-D weight of
     `shape` (n, k) -> Blocks. Unsupported types raise ValueError naming them."""
