@@ -228,3 +228,24 @@ def test_tokenize_errors_name_the_field(app):
     assert app.post_json("/detokenize", {"tokens": ["a"]}, status=400).json["error"]["param"] == "tokens"
     assert app.post_json("/detokenize", {"tokens": [10 ** 6]}, status=400).json["error"]["param"] == "tokens"
     assert app.post_json("/tokenize", {"content": "", "add_special": False}).json["tokens"] == []
+
+
+def test_streamed_chat_logprobs_equal_the_body(app):
+    body = dict(messages=USER, max_tokens=6, seed=2, logprobs=True, top_logprobs=2)
+    plain = app.post_json("/v1/chat/completions", body).json["choices"][0]["logprobs"]["content"]
+    frames = app.post_json("/v1/chat/completions", dict(body, stream=True)).body.decode().split("\n\n")
+    chunks = [json.loads(f[6:]) for f in frames if f.startswith("data: {")]
+    streamed = [e for c in chunks if c["choices"][0]["logprobs"] for e in c["choices"][0]["logprobs"]["content"]]
+    assert streamed == plain and len(plain) > 0
+
+
+def test_no_standard_field_is_reported_as_degraded(app):
+    r = app.post_json("/v1/completions", {"prompt": "the", "max_tokens": 2, "logprobs": 2, "echo": True, "n": 2,
+                                          "best_of": 3, "logit_bias": {"5": 1}, "seed": 1, "top_p": 0.9,
+                                          "presence_penalty": 0.1, "frequency_penalty": 0.1, "stop": ["x"],
+                                          "user": "u"})
+    assert "x-anyllm-degradation" not in r.headers and len(r.json["choices"]) == 2
+    r = app.post_json("/v1/chat/completions", {"messages": USER, "max_tokens": 2, "logprobs": True, "top_logprobs": 2,
+                                               "n": 2, "logit_bias": {"5": 1}, "seed": 1,
+                                               "response_format": {"type": "json_object"}})
+    assert "x-anyllm-degradation" not in r.headers and len(r.json["choices"]) == 2
