@@ -284,7 +284,8 @@ def collect_choices(events):
             choice = choices.setdefault(event.index, ChoiceResult(event.index))
             choice.text += event.text
             if event.logprobs is not None:
-                choice.logprobs = (choice.logprobs or []) + event.logprobs
+                choice.logprobs = choice.logprobs if choice.logprobs is not None else []
+                choice.logprobs.extend(event.logprobs)
         elif isinstance(event, Finished):
             choices.setdefault(event.index, ChoiceResult(event.index)).finished = event
             finished = event if event.last else finished

@@ -82,7 +82,7 @@ def drain_choices(make_parser, events):
             parser = parsers.setdefault(i, make_parser())
             parsed[i] = collect(parser.feed(event.text), parsed.get(i))
             if event.logprobs is not None:
-                logprobs[i] = logprobs.get(i, []) + event.logprobs
+                logprobs.setdefault(i, []).extend(event.logprobs)
         elif isinstance(event, Finished):
             parser = parsers.setdefault(i, make_parser())
             parsed[i], done[i] = collect(parser.flush(), parsed.get(i)), event
@@ -123,7 +123,8 @@ class _ChunkWriter:
 
     def hold(self, entries):
         if entries is not None:
-            self.logprobs = (self.logprobs or []) + entries
+            self.logprobs = self.logprobs if self.logprobs is not None else []
+            self.logprobs.extend(entries)
 
     def deltas(self, event):
         if isinstance(event, ToolCall):
