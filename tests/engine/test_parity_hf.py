@@ -14,12 +14,20 @@ _CONFIG_ONLY = ("architectures", "model_type", "torch_dtype")
 
 
 @pytest.fixture(autouse=True)
-def _one_torch_thread():
-    # NOTE(threads): torch's spinning OpenMP threads collapse when the cores are shared with other jobs
+def _one_thread():
+    # NOTE(threads): torch's and OpenBLAS's spinning worker threads collapse when the cores are
+    # shared with other jobs (seconds per step); one thread each keeps this suite's time steady.
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
+    try:
+        from threadpoolctl import threadpool_limits
+        limits = threadpool_limits(1, user_api="blas")
+    except ImportError:
+        limits = None
     yield
     torch.set_num_threads(threads)
+    if limits is not None:
+        limits.restore_original_limits()
 
 
 def hf_from_state(tiny):
