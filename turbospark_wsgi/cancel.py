@@ -52,7 +52,11 @@ def probe(sock, timeout=0.0):
         poller.register(sock, select.POLLIN)
         if not poller.poll(int(timeout * 1000)):
             return "idle"
-        return "closed" if sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b"" else "data"
+        # NOTE(gevent): peek on the OS socket under gevent's wrapper: the wrapper's recv waits for
+        # data instead of returning, and then collides with gunicorn reading the next request on
+        # a keep-alive connection (ConcurrentObjectUseError, connection reset).
+        raw = getattr(sock, "_sock", sock)
+        return "closed" if raw.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b"" else "data"
     except (BlockingIOError, InterruptedError):
         return "idle"
     except (OSError, ValueError):       # ECONNRESET, EBADF, a closed socket object
