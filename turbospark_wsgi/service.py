@@ -102,7 +102,8 @@ class Service:
     def __init__(self, config, registry=None, queue=None):
         self.config = config
         self.registry = registry if registry is not None else Registry(config)
-        self.queue = queue if queue is not None else LockQueue(config.max_waiting, config.queue_timeout)
+        self.queue = queue if queue is not None else LockQueue(config.max_waiting, config.queue_timeout,
+                                                                        slots=config.max_batch)
         self._loading_pid = None
         self._load_error = None
 
@@ -463,8 +464,10 @@ class Generation:
             try:
                 result = fut.result(timeout=self._keepalive)
             except TimeoutError:
-                if fut.done():
-                    raise
+                if fut.done():      # NOTE(race): finished just as the wait timed out
+                    result = fut.result()
+                    self._pending = None
+                    return result
                 self._quiet_since = time.monotonic()
                 yield KeepAlive("running")
                 continue
