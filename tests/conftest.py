@@ -106,7 +106,7 @@ class Harness:
             (root / f"{name}.gguf").write_bytes(b"GGUF")
         self.engines = {}           # model id -> FakeEngine (created on demand)
         self.loads = []
-        settings = dict(models_dir=str(root), model="fake", load_default=False, keepalive=0.05)
+        settings = dict(models_dir=str(root), model="fake", load_default=False, keepalive=0.05, max_batch=1)
         settings.update(config)
         self.config = Config(**settings)
         self.registry = Registry(self.config, loader=self.load)
@@ -117,7 +117,7 @@ class Harness:
             self.engines[name] = FakeEngine(name=name, **kw)
         return self.engines[name]
 
-    def load(self, path, device="auto", name=None, max_context=0, prefill_chunk=256):
+    def load(self, path, device="auto", name=None, max_context=0, prefill_chunk=256, max_batch=1):
         self.loads.append(path)
         if os.path.basename(path).startswith("broken"):
             raise ValueError("unsupported tensor type Q3_XX in blk.0.attn_q.weight")

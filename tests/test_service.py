@@ -23,7 +23,7 @@ def request(**kw):
 # ---- config ----------------------------------------------------------------------------------
 
 def test_config_defaults_and_env():
-    assert Config().max_waiting == 16 and Config().threads == 24 and Config().model == "smollm2-135m-instruct"
+    assert Config().max_waiting == 16 and Config().threads == 16 + 8 + 4 and Config().model == "smollm2-135m-instruct"
     c = Config.from_env({"TURBOSPARK_MODELS": "~/m", "TURBOSPARK_MAX_WAITING": "3", "TURBOSPARK_DEVICE": "CPU",
                          "TURBOSPARK_API_KEYS": "a, b,,", "TURBOSPARK_QUEUE_TIMEOUT": "2.5",
                          "TURBOSPARK_WORKER_CLASS": "gevent", "TURBOSPARK_PORT": "9000"})

@@ -21,7 +21,8 @@ class Config:
     MAX_WAITING (queued requests before 503), QUEUE_TIMEOUT (s, 0 = wait forever),
     MAX_BODY (bytes), MAX_CONTEXT (tokens, 0 = the model's), KEEPALIVE (s between SSE comments),
     API_KEYS (comma list; empty = open), API_KEY_FILE (one key per line, added to API_KEYS),
-    HOST, PORT, THREADS (0 = max_waiting + 8), WORKER_CLASS (gthread|gevent), PREFILL_CHUNK
+    HOST, PORT, THREADS (0 = max_waiting + max_batch + 4), WORKER_CLASS (gthread|gevent), MAX_BATCH
+    (sequences decoded together, also the queue's running slots), PREFILL_CHUNK
     (tokens per prefill step), CORS_ORIGINS (comma list or *; empty = no CORS headers),
     MODEL_MEMORY (bytes for loaded models, 0 = no budget), MAX_PROMPT_TOKENS (0 = the context),
     MAX_TOKENS_CAP (0 = none), MAX_GENERATION_SECONDS (0 = none), GRACEFUL_TIMEOUT (s),
@@ -42,7 +43,8 @@ class Config:
     port: int = 8000
     threads: int = 0
     worker_class: str = "gthread"
-    prefill_chunk: int = 256
+    prefill_chunk: int = 128
+    max_batch: int = 8
     cors_origins: tuple = ()
     model_memory: int = 0
     max_prompt_tokens: int = 0
@@ -58,14 +60,14 @@ class Config:
         for name in ("max_waiting", "max_context", "threads", "model_memory", "max_prompt_tokens",
                      "max_tokens_cap"):
             _check_range(name, getattr(self, name), 0)
-        for name in ("max_body", "port", "prefill_chunk"):
+        for name in ("max_body", "port", "prefill_chunk", "max_batch"):
             _check_range(name, getattr(self, name), 1)
         for name in ("queue_timeout", "max_generation_seconds", "graceful_timeout"):
             _check_range(name, getattr(self, name), 0)
         if not self.keepalive > 0:
             raise ConfigError(f"keepalive must be > 0 seconds, got {self.keepalive!r}")
         if not self.threads:
-            self.threads = self.max_waiting + 8
+            self.threads = self.max_waiting + self.max_batch + 4
         self.api_keys = tuple(self.api_keys) + read_key_file(self.api_key_file)
         self.cors_origins = tuple(self.cors_origins)
         if not self.replica_id:
@@ -108,7 +110,7 @@ def read_key_file(path):
 
 
 _ENV_NAMES = {"models_dir": "MODELS"}
-_INTS = {"max_waiting", "max_body", "max_context", "port", "threads", "prefill_chunk", "model_memory",
+_INTS = {"max_waiting", "max_body", "max_context", "port", "threads", "prefill_chunk", "max_batch", "model_memory",
          "max_prompt_tokens", "max_tokens_cap"}
 _FLOATS = {"queue_timeout", "keepalive", "max_generation_seconds", "graceful_timeout"}
 _LISTS = {"api_keys", "cors_origins"}

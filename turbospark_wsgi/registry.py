@@ -52,7 +52,7 @@ class Registry:
 
     With `config.model_memory` (bytes) set, loading a model first unloads idle models, least
     recently used first, until the estimated sizes fit; models held by a `Lease` stay.
-    `loader(path, device=, name=, max_context=, prefill_chunk=)` defaults to
+    `loader(path, device=, name=, max_context=, prefill_chunk=, max_batch=)` defaults to
     `turbospark_wsgi.engine.load_engine`; tests inject a fake.
     """
 
@@ -153,7 +153,8 @@ class Registry:
         model_id = _id_for(key, self._installed())
         try:
             engine = compute.run(self._load_fn(), key, device=self._config.device, name=model_id,
-                                 max_context=self._config.max_context, prefill_chunk=self._config.prefill_chunk)
+                                 max_context=self._config.max_context, prefill_chunk=self._config.prefill_chunk,
+                                 max_batch=self._config.max_batch)
         except (ValueError, OSError, ImportError, KeyError) as e:
             self._failures[key] = (mtime, f"The model '{name}' could not be loaded: {e}")
             log.error("loading %s failed: %s", key, e)

@@ -53,6 +53,8 @@ class Gunicorn:
         env = dict(os.environ, TURBOSPARK_HOST="127.0.0.1", TURBOSPARK_PORT=str(self.port),
                    TURBOSPARK_WORKER_CLASS=worker_class, TURBOSPARK_MODELS=str(models_dir()),
                    TURBOSPARK_DEVICE="cpu", PYTHONUNBUFFERED="1")
+        # NOTE(batching): one running request unless a test asks for more, so queue tests see a queue
+        settings.setdefault("max_batch", 1)
         env.update({f"TURBOSPARK_{k.upper()}": str(v) for k, v in settings.items()})
         cmd = [sys.executable, "-m", "gunicorn", "-c", str(REPO / "gunicorn.conf.py"),
                "--no-control-socket", "turbospark_wsgi.wsgi:app"]

@@ -67,6 +67,8 @@ class Server:
         environ = dict(os.environ, TURBOSPARK_HOST="127.0.0.1", TURBOSPARK_PORT=str(self.port),
                        TURBOSPARK_WORKER_CLASS=worker_class, TURBOSPARK_DEVICE="cpu", PYTHONUNBUFFERED="1",
                        PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests" / "integration")]))
+        # NOTE(batching): one running request unless a test asks for more, so queue tests see a queue
+        settings.setdefault("max_batch", 1)
         environ.update({f"TURBOSPARK_{k.upper()}": str(v) for k, v in settings.items()})
         environ.update(env or {})
         cmd = [sys.executable, "-m", "gunicorn", "-c", str(REPO / "gunicorn.conf.py"), "--no-control-socket", app]
