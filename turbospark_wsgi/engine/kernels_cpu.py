@@ -1,9 +1,9 @@
 """Multi-threaded CPU kernels (numba) for y = x @ W.T with W held as tiled quantized blocks.
 
-Small batches (decode) run a fused dequantize-and-dot kernel: each SIMD lane is one output row
-(see quant.QWeight), so there are no horizontal sums and every weight byte is read once per
-activation row from cache. Large batches (prefill) dequantize a slab of rows to float32 and hand
-it to BLAS. Activations stay float32: the results equal the dequantize-then-matmul reference up
+Batches up to GEMV_MAX_B rows (decode) run fused dequantize-and-dot kernels: each SIMD lane is
+one output row (see quant.QWeight), so there are no horizontal sums, and the weights are streamed
+from memory once per call (for B >= 3 each block is unpacked once into a small float32 tile that
+all rows reuse). Larger batches (prefill) dequantize slabs of W.T to float32 and hand them to BLAS. Activations stay float32: the results equal the dequantize-then-matmul reference up
 to float32 summation order.
 """
 import os
