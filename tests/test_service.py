@@ -29,7 +29,7 @@ def test_config_defaults_and_env():
                          "TURBOSPARK_WORKER_CLASS": "gevent", "TURBOSPARK_PORT": "9000"})
     assert c.models_dir == os.path.expanduser("~/m") and c.max_waiting == 3 and c.device == "cpu"
     assert c.api_keys == ("a", "b") and c.queue_timeout == 2.5 and c.worker_class == "gevent" and c.port == 9000
-    assert c.threads == 11
+    assert c.threads == 3 + 8 + 4
 
 
 @pytest.mark.parametrize("env, words", [
