@@ -85,3 +85,20 @@ def test_decode_batch_rows_are_bit_identical_to_single_rows(engine):
     batched = model.decode_batch([7] * len(caches), caches)
     for a, b in zip(singles, batched):
         assert np.array_equal(a, b)
+
+
+def test_quantized_engine_batches_exactly_and_agrees_with_fp32(default_gguf, monkeypatch):
+    pytest.importorskip("numba")
+    quant = load_engine(default_gguf, device="cpu", max_batch=3)
+    assert type(quant.model.w.head).__name__ == "QLinear"
+    prompts = [quant.encode(t, add_bos=False) for t in ("The capital of France is", "def add(a, b):", "Hi")]
+    params = [SamplingParams(temperature=0, max_new_tokens=12) for _ in prompts]
+    solo = [run_alone(quant, p, q) for p, q in zip(prompts, params)]
+    assert run_together(quant, prompts, params) == solo
+    monkeypatch.setenv("TURBOSPARK_WEIGHTS", "fp32")
+    fp32 = load_engine(default_gguf, device="cpu", max_batch=1)
+    assert type(fp32.model.w.head).__name__ != "QLinear"
+    ids = prompts[0]
+    a = quant.model.forward(ids, quant.model.new_cache(32), logits="all")
+    b = fp32.model.forward(ids, fp32.model.new_cache(32), logits="all")
+    assert np.abs(a - b).max() < 1e-3

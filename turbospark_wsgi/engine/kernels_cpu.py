@@ -217,7 +217,10 @@ def _gemv(x, p, y):
     buf = y if direct else np.empty((x.shape[0], p.qs.shape[0] * p.tile), np.float32)
     # PERF(batch): B <= 2 re-unpacks the nibbles per row (no temporaries, fastest for decode);
     # from B = 3 unpacking each block once into a float32 tile was measured 1.7x faster at B = 8.
-    batch = x.shape[0] > 2
+    # NOTE(exact-batching): but the q4 tile kernel rounds differently from the per-row one, and a
+    # sequence must get the same numbers alone or in a batch, so q4 always takes the per-row kernel
+    # (whose rows do not depend on B). The q8 kernels agree bit for bit, so q8 keeps the tile path.
+    batch = x.shape[0] > 2 and p.kind != "q4"
     if p.kind == "q4":
         xsum = x.reshape(x.shape[0], -1, 32).sum(axis=-1)          # [B, K/32] for the mins
         (_q4_batch if batch else _q4_gemv)(x, xsum, p.qs, p.d, p.m, buf)

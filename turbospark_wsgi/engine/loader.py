@@ -8,7 +8,7 @@ from .config import ModelConfig
 from .gguf import GGUFFile, model_config_from_gguf
 from .model import Transformer
 from .safetensors_io import SafetensorsDir, model_config_from_hf
-from .weights import load_weights, tensor_name
+from .weights import load_quantized_weights, load_weights, tensor_name
 
 HF_JSON_FILES = ("config", "tokenizer_config", "generation_config")
 
@@ -27,10 +27,12 @@ class LoadedModel:
     backend_reason: str
 
 
-def load_model(path, device="auto"):
+def load_model(path, device="auto", weights=None):
     """Loads a .gguf file or a Hugging Face model directory onto the backend chosen for `device`
     ("auto" | "cpu" | "cuda"). Unsupported architectures, tensor types and missing tensors raise
-    ValueError naming them; a missing path raises FileNotFoundError."""
+    ValueError naming them; a missing path raises FileNotFoundError. `weights` ("auto" | "quant" |
+    "fp32", default TURBOSPARK_WEIGHTS or auto): auto keeps GGUF matrices quantized on the CPU when
+    the block kernels are available, float32 otherwise."""
     path = os.fspath(path)
     if not os.path.exists(path):
         raise FileNotFoundError(f"no model at {path}")
@@ -39,9 +41,24 @@ def load_model(path, device="auto"):
         kind, metadata, cfg, source = "hf", *_open_hf(path)
     else:
         kind, metadata, cfg, source = "gguf", *_open_gguf(path)
-    weights = load_weights(cfg, source, kind, backend.xp)
-    model = Transformer(cfg, weights, backend.xp)
+    if _quantized(weights, kind, backend.name):
+        tensors = load_quantized_weights(cfg, source)
+    else:
+        tensors = load_weights(cfg, source, kind, backend.xp)
+    model = Transformer(cfg, tensors, backend.xp)
     return LoadedModel(cfg, model, metadata, kind, path, backend.name, backend.reason)
+
+
+def _quantized(choice, kind, backend):
+    choice = choice or os.environ.get("TURBOSPARK_WEIGHTS", "auto")
+    if choice not in ("auto", "quant", "fp32"):
+        raise ValueError(f"weights must be auto, quant or fp32, not {choice!r}")
+    if choice == "fp32" or kind != "gguf" or backend != "numpy":
+        return False
+    from . import kernels_cpu
+    if choice == "quant" and not kernels_cpu.AVAILABLE:
+        raise ValueError("quantized weights need numba (pip install numba)")
+    return kernels_cpu.AVAILABLE
 
 
 def _open_gguf(path):

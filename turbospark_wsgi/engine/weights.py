@@ -1,5 +1,6 @@
 """Weights: the one table from outside tensor names to ours, the rotary row layout, fused and
-pre-transposed float32 matrices, and the upload to the compute device."""
+pre-transposed float32 matrices, and the upload to the compute device. On the CPU, GGUF matrices
+of the types engine/quant.py supports can stay in their block form (`load_quantized_weights`)."""
 from dataclasses import dataclass
 
 import numpy as np
@@ -108,3 +109,62 @@ def _layer(cfg, source, fmt, i, xp):
 def _upload_t(w, xp):
     # PERF(layout): x @ Wt with a contiguous (in, out) matrix; measured faster for decode GEMVs.
     return xp.asarray(np.ascontiguousarray(w.T, dtype=np.float32))
+
+
+def load_quantized_weights(cfg, source):
+    """GGUF weights with every supported matrix kept in its quantized block form (numpy backend):
+    `x @ QLinear` reads the blocks directly. A fused matrix with any unsupported part, and every
+    vector, is float32 as in `load_weights`."""
+    from . import kernels_cpu, quant
+
+    def blocks(ours, layer=None):
+        name = tensor_name(ours, "gguf", layer)
+        if name not in source.names:
+            fetch(source, ours, "gguf", layer)      # raises, naming the missing tensor
+        info = source.tensors[name]
+        if not quant.supported(info.ggml_type, info.shape):
+            return None
+        return quant.decode(source.raw(name), info.ggml_type, info.shape)
+
+    def linear(parts, fp32):
+        if any(p is None for p in parts):
+            return fp32()
+        return kernels_cpu.QLinear(quant.pack(parts))
+
+    def layer(i):
+        def get(ours):
+            return fetch(source, ours, "gguf", i)
+
+        wq, wk, wv = blocks("wq", i), blocks("wk", i), blocks("wv", i)
+        if wq is not None and wk is not None:
+            wq = wq.map_rows(lambda a: unpermute_rotary_rows(a, cfg.n_head)).scaled(1.0 / np.sqrt(cfg.head_dim))
+            wk = wk.map_rows(lambda a: unpermute_rotary_rows(a, cfg.n_kv_head))
+        fp = _layer(cfg, source, "gguf", i, np) if None in (wq, wk, wv) else None
+        return LayerWeights(
+            attn_norm=get("attn_norm"),
+            wqkv=linear([wq, wk, wv], lambda: fp.wqkv),
+            wo=linear([blocks("wo", i)], lambda: _upload_t(get("wo"), np)),
+            ffn_norm=get("ffn_norm"),
+            w_gate_up=linear([blocks("w_gate", i), blocks("w_up", i)],
+                             lambda: _upload_t(np.concatenate([get("w_gate"), get("w_up")]), np)),
+            w_down=linear([blocks("w_down", i)], lambda: _upload_t(get("w_down"), np)))
+
+    head, tok_embd = _quantized_head(cfg, source, blocks, kernels_cpu, quant)
+    rope_name = tensor_name("rope_freqs", "gguf")
+    return Weights(
+        layers=[layer(i) for i in range(cfg.n_layer)], norm=fetch(source, "norm", "gguf"),
+        head=head, tok_embd=tok_embd,
+        rope_freqs=source.tensor(rope_name) if rope_name in source.names else None)
+
+
+def _quantized_head(cfg, source, blocks, kernels_cpu, quant):
+    """(head, tok_embd): block form where supported; float32 (tok_embd None when tied) otherwise."""
+    embd_ours = "tok_embd" if cfg.tied_embeddings else "head"
+    head_b = blocks(embd_ours)
+    head_q = None if head_b is None else quant.pack(head_b)
+    head = kernels_cpu.QLinear(head_q) if head_q is not None else _upload_t(fetch(source, embd_ours, "gguf"), np)
+    if cfg.tied_embeddings:
+        return head, None if head_q is None else kernels_cpu.QEmbedding(head_q)
+    embd_b = blocks("tok_embd")
+    embd = fetch(source, "tok_embd", "gguf") if embd_b is None else kernels_cpu.QEmbedding(quant.pack(embd_b))
+    return head, embd

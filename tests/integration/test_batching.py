@@ -1,0 +1,44 @@
+"""Continuous batching through real gunicorn: concurrent clients share decode steps and get exactly
+the text each would get alone; a second chat turn reuses the first turn's prefix."""
+import concurrent.futures
+
+import pytest
+
+openai = pytest.importorskip("openai")
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+PROMPTS = ["The three primary colors are", "Write a haiku about the sea:", "def fibonacci(n):",
+           "The capital of France is"]
+
+
+@pytest.fixture(scope="module", params=["gthread", "gevent"])
+def client(request, default_model, start_gunicorn):
+    srv = start_gunicorn(request.param, model="smollm2-135m-instruct", max_batch=4, max_waiting=8)
+    yield openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=300)
+    srv.stop()
+
+
+def complete(client, prompt, stream):
+    kw = dict(model="smollm2-135m-instruct", prompt=prompt, max_tokens=20, temperature=0)
+    if not stream:
+        return client.completions.create(**kw).choices[0].text
+    return "".join(c.choices[0].text for c in client.completions.create(stream=True, **kw) if c.choices)
+
+
+def test_concurrent_streams_equal_solo_runs(client):
+    solo = [complete(client, p, stream=False) for p in PROMPTS]
+    with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
+        together = list(pool.map(lambda p: complete(client, p, stream=True), PROMPTS))
+    assert together == solo
+
+
+def test_second_chat_turn_reuses_the_first_turns_prefix(client):
+    history = [{"role": "user", "content": "Tell me about the moon. " * 40}]
+    kw = dict(model="smollm2-135m-instruct", max_tokens=8, temperature=0)
+    first = client.chat.completions.create(messages=history, **kw)
+    history += [{"role": "assistant", "content": first.choices[0].message.content},
+                {"role": "user", "content": "And the sun?"}]
+    second = client.chat.completions.create(messages=history, **kw)
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached >= first.usage.prompt_tokens - 128
