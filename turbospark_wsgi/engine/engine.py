@@ -9,7 +9,7 @@ from .loader import load_model
 from .sampling import log_softmax, top_n
 from .tokenizer import Tokenizer
 
-DEFAULT_PREFILL_CHUNK = 64
+DEFAULT_PREFILL_CHUNK = 128
 DEFAULT_MAX_BATCH = 8
 
 
