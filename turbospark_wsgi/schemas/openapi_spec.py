@@ -43,7 +43,9 @@ _SCHEMAS = {
     "CompletionRequest": {"type": "object", "required": ["prompt"], "properties": dict(
         _SAMPLING, prompt={"oneOf": [_STR, {"type": "array", "items": _STR, "maxItems": 1},
                                      {"type": "array", "items": _INT}]},
-        max_tokens={"type": "integer", "minimum": 1}, n={"const": 1}, echo=_BOOL)},
+        max_tokens={"type": "integer", "minimum": 0, "description": "0 only with echo (score the prompt)"},
+        n={"type": "integer", "minimum": 1, "maximum": 20}, best_of={"type": "integer", "minimum": 1, "maximum": 20},
+        logprobs={"type": "integer", "minimum": 0, "maximum": 20}, echo=_BOOL)},
     "Completion": {"type": "object", "required": ["id", "object", "created", "model", "choices"],
                    "properties": {"id": _STR, "object": {"const": "text_completion"}, "created": _INT,
                                   "model": _STR, "usage": _USAGE, "choices": {"type": "array", "items": {
@@ -60,7 +62,8 @@ _SCHEMAS = {
         _SAMPLING, messages={"type": "array", "minItems": 1, "items": _ref("ChatMessage")},
         max_tokens={"type": "integer", "minimum": 1}, max_completion_tokens={"type": "integer", "minimum": 1},
         tools={"type": "array", "items": _OBJ}, tool_choice={"oneOf": [_STR, _OBJ]},
-        parallel_tool_calls=_BOOL, n={"const": 1}, response_format=_OBJ)},
+        parallel_tool_calls=_BOOL, n={"type": "integer", "minimum": 1, "maximum": 20}, logprobs=_BOOL,
+        top_logprobs={"type": "integer", "minimum": 0, "maximum": 20}, response_format=_OBJ)},
     "ChatCompletion": {"type": "object", "required": ["id", "object", "created", "model", "choices"],
                        "properties": {"id": _STR, "object": {"const": "chat.completion"}, "created": _INT,
                                       "model": _STR, "usage": _USAGE, "choices": {"type": "array", "items": {
