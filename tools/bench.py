@@ -1,6 +1,10 @@
 """Engine throughput: prefill tok/s on a 512-token prompt and single-stream greedy decode tok/s.
 
     python tools/bench.py [--model PATH] [--repeats 3] [--device auto|cpu|cuda] [--threads N]
+    python tools/bench.py --vs-llama-cpp [--model GGUF] [--repeats 3] [--llama-python PY] [--json]
+
+--vs-llama-cpp runs the HTTP benchmark of tools/bench_http.py instead (this server against
+llama-cpp-python's, one at a time, same GGUF and threads); see its --help for the other flags.
 
 On a CPU shared with other busy processes, OpenBLAS's worker threads can stall each other; compare
 with --threads 1 (or OPENBLAS_NUM_THREADS=1) and watch the printed load average.
@@ -31,6 +35,8 @@ def parse_args(argv=None):
     p.add_argument("--prompt-tokens", type=int, default=512)
     p.add_argument("--decode-steps", type=int, default=128)
     p.add_argument("--threads", type=int, default=0, help="BLAS threads (0: library default)")
+    p.add_argument("--vs-llama-cpp", action="store_true",
+                   help="HTTP benchmark against llama-cpp-python's server (tools/bench_http.py)")
     return p.parse_args(argv)
 
 
@@ -84,6 +90,12 @@ def run_engine_bench(args):
 
 
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--vs-llama-cpp" in argv:
+        # NOTE(dispatch): before parsing, so bench_http's own flags reach its parser
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import bench_http
+        return bench_http.main([a for a in argv if a != "--vs-llama-cpp"])
     args = parse_args(argv)
     with blas_threads(args.threads):
         run_engine_bench(args)
