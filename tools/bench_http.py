@@ -243,6 +243,7 @@ def run_repeats(server, plan, args, metrics, info, deadline):
             log(f"{server.name}: over budget, {args.repeats - r} repeats skipped")
             return
         log(f"{server.name}: repeat {r + 1}/{args.repeats}")
+        info.setdefault("load_per_repeat", []).append(round(os.getloadavg()[0], 2))
         one_repeat(server, plan, r, args, metrics, lambda: time.monotonic() > deadline)
 
 
