@@ -6,16 +6,34 @@ class KVCache:
 
     `update` writes one layer's new rows; the model advances `length` once all layers are written.
     `truncate(n)` keeps the first n positions, so a new prompt that shares a prefix reuses them.
+
+    NOTE(memory): the buffers start at `INITIAL` positions and double as positions arrive (up to
+    `max_seq`). Preallocating the whole context per sequence touched a huge page per layer for even
+    a short sequence, and eight slots of an 8k-context model held ~2 GB for a few hundred tokens.
     """
 
     __slots__ = ("k", "v", "length", "max_seq", "xp")
+    INITIAL = 256
 
     def __init__(self, n_layer, max_seq, n_kv_head, head_dim, xp, dtype="float32"):
         self.xp = xp
         self.max_seq = int(max_seq)
-        self.k = xp.zeros((n_layer, self.max_seq, n_kv_head, head_dim), dtype=dtype)
-        self.v = xp.zeros((n_layer, self.max_seq, n_kv_head, head_dim), dtype=dtype)
+        shape = (n_layer, min(self.INITIAL, self.max_seq), n_kv_head, head_dim)
+        self.k = xp.zeros(shape, dtype=dtype)
+        self.v = xp.zeros(shape, dtype=dtype)
         self.length = 0
+
+    @property
+    def capacity(self):
+        return self.k.shape[1]
+
+    def _grow(self, end):
+        size = min(self.max_seq, max(end, 2 * self.capacity))
+        for name in ("k", "v"):
+            old = getattr(self, name)
+            new = self.xp.zeros((old.shape[0], size) + old.shape[2:], dtype=old.dtype)
+            new[:, :self.length] = old[:, :self.length]
+            setattr(self, name, new)
 
     def reset(self):
         """Forgets every position (the buffers stay allocated)."""
@@ -33,6 +51,8 @@ class KVCache:
         end = pos + k.shape[0]
         if end > self.max_seq:
             raise ValueError(f"KV cache overflow: position {end - 1} does not fit in {self.max_seq}")
+        if end > self.capacity:
+            self._grow(end)
         self.k[layer, pos:end] = k
         self.v[layer, pos:end] = v
         return self.k[layer, :end], self.v[layer, :end]
