@@ -39,6 +39,8 @@ def parse_args(argv=None):
     p.add_argument("--llama-python", default="/opt/llamacpp-venv/bin/python")
     p.add_argument("--python", default=sys.executable, help="python that runs this server's gunicorn")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="compute threads of each server")
+    p.add_argument("--blas-threads", type=int, default=0,
+                   help="OpenBLAS threads of this server (default: --threads)")
     p.add_argument("--max-batch", type=int, default=8, help="TURBOSPARK_MAX_BATCH")
     p.add_argument("--clients", default="1,4,8,16", help="concurrency levels")
     p.add_argument("--requests-per-client", type=int, default=2)

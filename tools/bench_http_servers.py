@@ -148,7 +148,8 @@ class OurServer(Server):
         return dict(super().env(), TURBOSPARK_MODEL=self.args.model, TURBOSPARK_DEVICE="cpu",
                     TURBOSPARK_HOST="127.0.0.1", TURBOSPARK_PORT=str(self.port), TURBOSPARK_THREADS="40",
                     TURBOSPARK_MAX_BATCH=str(self.args.max_batch), TURBOSPARK_MAX_WAITING="32",
-                    OPENBLAS_NUM_THREADS=threads, OMP_NUM_THREADS=threads, NUMBA_NUM_THREADS=threads)
+                    OPENBLAS_NUM_THREADS=str(self.args.blas_threads or threads), OMP_NUM_THREADS=threads,
+                    NUMBA_NUM_THREADS=threads)
 
     def measured_pids(self):
         return child_pids(self.proc.pid) or [self.proc.pid]

@@ -27,6 +27,10 @@ except ImportError:            # pragma: no cover - exercised only where numba i
 AVAILABLE = numba is not None
 GEMV_MAX_B = int(os.environ.get("TURBOSPARK_GEMV_MAX_B", "16"))   # larger batches use BLAS
 SLAB_ROWS = 1024               # rows dequantized per BLAS call in the large-batch path
+# PERF(threads): a single-row product (one stream decoding) runs on one thread. Under the server
+# the request thread needs a core for every token; with both cores in the kernel, single-stream
+# decode over HTTP measured 31 tok/s, with one 49 tok/s. Batches (B >= 2) keep every thread.
+SINGLE_ROW_THREADS = int(os.environ.get("TURBOSPARK_SINGLE_ROW_THREADS", "1"))
 
 if AVAILABLE:
     _JIT = dict(parallel=True, fastmath=True, cache=True, nogil=True)
@@ -200,6 +204,8 @@ def qmatmul(x, w, out=None, threads=None, path="auto"):
         raise ValueError(f"activation shape {x.shape} does not match weight {w.shape}")
     y = np.empty((x.shape[0], w.n), np.float32) if out is None else out
     use_gemv = path == "gemv" or (path == "auto" and x.shape[0] <= GEMV_MAX_B)
+    if threads is None and x.shape[0] == 1 and SINGLE_ROW_THREADS:
+        threads = SINGLE_ROW_THREADS
     with _threads(threads):
         start = 0
         for p in w.parts:
