@@ -261,3 +261,20 @@ def test_logprobs_are_reported_per_token():
     tok = [e for e in events if isinstance(e, Token)][0]
     assert tok.logprob == pytest.approx(10.0 - np.log(np.exp(10.0) + V - 1), abs=1e-6)
     assert tok.top_logprobs[0][0] == tok.id and len(tok.top_logprobs) == 2
+
+
+def test_unrelated_prompts_do_not_evict_a_warm_prefix_while_other_slots_exist():
+    warm = ids("the cat sat on the mat ")         # 23 tokens: 5 whole chunks of 4
+    model = ScriptedModel(lambda cache: script_for(cache.tokens, "x"))
+    sched = scheduler(model, max_batch=3, chunk=4)
+    run(model, warm, SamplingParams(temperature=0, max_new_tokens=1), sched=sched)
+    for other in ("zzzz yyyy", "qqqq rrrr", "kkkk llll"):      # fills the other slots, then LRU
+        run(model, ids(other), SamplingParams(temperature=0, max_new_tokens=1), sched=sched)
+    events = run(model, warm + ids("ab"), SamplingParams(temperature=0, max_new_tokens=1), sched=sched)
+    assert events[-1].cached_tokens == 0            # 3 slots, 4 distinct prompts: the oldest went
+    sched = scheduler(model, max_batch=3, chunk=4)
+    run(model, warm, SamplingParams(temperature=0, max_new_tokens=1), sched=sched)
+    run(model, ids("zzzz yyyy"), SamplingParams(temperature=0, max_new_tokens=1), sched=sched)
+    run(model, ids("qqqq rrrr"), SamplingParams(temperature=0, max_new_tokens=1), sched=sched)
+    events = run(model, warm + ids("ab"), SamplingParams(temperature=0, max_new_tokens=1), sched=sched)
+    assert events[-1].cached_tokens == 20

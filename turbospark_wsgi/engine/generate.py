@@ -26,10 +26,10 @@ class Slot:
     whole prefill chunks aligned to multiples of the chunk size, so a later prompt that starts with
     them can reuse them and get bit-for-bit the same numbers as a run without the cache."""
 
-    __slots__ = ("cache", "ids", "exact", "busy")
+    __slots__ = ("cache", "ids", "exact", "busy", "used")
 
     def __init__(self, cache):
-        self.cache, self.ids, self.exact, self.busy = cache, [], 0, False
+        self.cache, self.ids, self.exact, self.busy, self.used = cache, [], 0, False, 0
 
     def reusable(self, prompt, chunk):
         # NOTE(prefix-cache): the last prompt token always runs, so there are logits to sample from
@@ -116,6 +116,7 @@ class Scheduler:
         self.model, self.tokenizer = model, tokenizer
         self.max_batch, self.max_context, self.chunk = max_batch, max_context, chunk
         self.slots, self.active = [], []
+        self._clock = 0             # acquisition counter, for least-recently-used slot reuse
 
     def add(self, prompt, params, should_stop=None):
         seq = Sequence(self.acquire(prompt), self.tokenizer, prompt, params, should_stop,
@@ -124,15 +125,22 @@ class Scheduler:
         return seq
 
     def acquire(self, prompt):
+        """A free slot: the one holding the longest reusable prefix of `prompt`; without any, a new
+        slot while fewer than max_batch exist, else the least recently used (so a warm prefix
+        survives unrelated requests as long as it can)."""
         free = [s for s in self.slots if not s.busy]
-        if not free and len(self.slots) < self.max_batch:
-            free = [Slot(self.model.new_cache(self.max_context))]
-            self.slots.append(free[0])
-        if not free:
+        best = max(free, key=lambda s: (s.reusable(prompt, self.chunk), -s.used), default=None)
+        if best is None or best.reusable(prompt, self.chunk) == 0:
+            if len(self.slots) < self.max_batch:
+                best = Slot(self.model.new_cache(self.max_context))
+                self.slots.append(best)
+            elif best is not None:
+                best = min(free, key=lambda s: s.used)
+        if best is None:
             raise RuntimeError(f"all {self.max_batch} sequence slots are busy")
-        slot = max(free, key=lambda s: s.reusable(prompt, self.chunk))
-        slot.busy = True
-        return slot
+        self._clock += 1
+        best.busy, best.used = True, self._clock
+        return best
 
     def poll(self, seq):
         """The events `seq` has waiting, running one step first if it has none."""
