@@ -22,7 +22,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 MODEL = "smollm2-135m-instruct"
 PROMPT = "The three primary colors are"
 LONG_PROMPT = "Count from one to one thousand: 1, 2, 3, 4, 5, 6, 7, 8, 9, 10,"
-SHORT, LONG = 12, 400
+SHORT, LONG = 12, 1500   # LONG: many decode steps, so an uncancelled run is clearly longer
 MAX_WAITING = 2
 GREEDY = {}        # worker class -> greedy completion text, compared across workers
 
