@@ -133,6 +133,18 @@ class Harness:
 
 
 @pytest.fixture
+def wait_until():
+    """wait_until(predicate, timeout=5.0): polls until predicate() is true, else fails the test."""
+    def wait(predicate, timeout=5.0):
+        end = time.monotonic() + timeout
+        while not predicate():
+            if time.monotonic() > end:
+                raise AssertionError("condition not reached")
+            time.sleep(0.005)
+    return wait
+
+
+@pytest.fixture
 def harness(tmp_path):
     return Harness(tmp_path)
 

@@ -9,14 +9,6 @@ import webob
 from turbospark_wsgi.cancel import CancelToken, DisconnectWatcher, probe
 
 
-def wait_until(predicate, timeout=5.0):
-    end = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > end:
-            raise AssertionError("condition not reached")
-        time.sleep(0.005)
-
-
 def test_token_first_reason_wins_and_callbacks_run_once():
     token, calls = CancelToken(), []
     token.on_cancel(lambda: calls.append(1))
@@ -40,7 +32,7 @@ def test_probe_sees_idle_data_and_close():
     assert probe(server) == "closed"
 
 
-def test_watcher_cancels_when_the_client_closes():
+def test_watcher_cancels_when_the_client_closes(wait_until):
     server, client = socket.socketpair()
     token = CancelToken()
     watcher = DisconnectWatcher({"gunicorn.socket": server}, token, interval=0.02).start()
@@ -123,7 +115,7 @@ def test_closing_a_stream_mid_run_stops_the_engine_and_releases_the_slot(harness
     assert list(stream) == []
 
 
-def test_a_queued_stream_whose_client_leaves_drops_out(harness):
+def test_a_queued_stream_whose_client_leaves_drops_out(harness, wait_until):
     harness.engine("fake")
     app = harness.app()
     queue = harness.service.queue

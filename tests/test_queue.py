@@ -9,15 +9,7 @@ from turbospark_wsgi.errors import Overloaded
 from turbospark_wsgi.queue import Cancelled, LockQueue
 
 
-def wait_until(predicate, timeout=5.0):
-    end = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > end:
-            raise AssertionError("condition not reached")
-        time.sleep(0.005)
-
-
-def test_tickets_run_in_arrival_order_one_at_a_time():
+def test_tickets_run_in_arrival_order_one_at_a_time(wait_until):
     queue, order, active, overlaps = LockQueue(max_waiting=10), [], [], []
     holder = queue.enqueue()
     assert holder.wait(0)
