@@ -92,10 +92,7 @@ class Engine:
             out = [(None, [])]
             for start in range(0, len(prompt_ids), self.prefill_chunk):
                 piece = prompt_ids[start:start + self.prefill_chunk]
-                lp = log_softmax(self.model.forward(piece, slot.cache, logits="all"))    # [T, V]
-                slot.ids.extend(piece)
-                if len(piece) == self.prefill_chunk:
-                    slot.exact = len(slot.ids)
+                lp = log_softmax(slot.prefill(self.model, piece, self.prefill_chunk, "all"))   # [T, V]
                 for row, nxt in zip(lp, prompt_ids[start + 1:start + len(piece) + 1]):
                     out.append((float(row[nxt]), top_n(row, top)))
             return out

@@ -44,6 +44,14 @@ class Slot:
     def forget(self):
         self.keep(0)
 
+    def prefill(self, model, piece, chunk, logits):
+        """Runs prompt tokens `piece` after the held ones; a whole chunk extends the exact prefix."""
+        out = model.forward(piece, self.cache, logits=logits)
+        self.ids.extend(piece)
+        if len(piece) == chunk:
+            self.exact = len(self.ids)
+        return out
+
 
 class Sequence:
     """One run: prompt, sampler, detokenizer, stop strings and a slot. Events wait in `events`."""
@@ -70,10 +78,7 @@ class Sequence:
         start = len(self.slot.ids)
         piece = self.prompt[start:start + self.chunk]
         last = start + len(piece) == len(self.prompt)
-        logits = model.forward(piece, self.slot.cache, logits="last" if last else "none")
-        self.slot.ids.extend(piece)
-        if len(piece) == self.chunk:
-            self.slot.exact = len(self.slot.ids)
+        logits = self.slot.prefill(model, piece, self.chunk, "last" if last else "none")
         self.events.append(Prefill(len(self.slot.ids), len(self.prompt)))
         if last:
             self.state = _DECODE
