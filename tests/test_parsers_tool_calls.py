@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from turbospark_wsgi.parsers import OutputParser, ToolCall, collect, detect_family, parse_output
+from turbospark_wsgi.parsers import CallArgs, OutputParser, ToolCall, collect, detect_family, parse_output
 from turbospark_wsgi.parsers.tool_calls import calls_from_json
 
 HERMES_TWO = ('I will check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
@@ -53,9 +53,11 @@ def test_every_two_cut_split(family, text, content, calls):
     for cuts in itertools.combinations(range(1, len(text)), 2):
         events = run_stream(family, text, cuts)
         assert summary(collect(events)) == (content, calls), cuts
-        if calls:  # content never shows a fragment of the call markup
+        if calls:  # content never shows a fragment of the call markup, nor arguments any tag
             for e in events:
-                if not isinstance(e, ToolCall):
+                if isinstance(e, CallArgs):
+                    assert "<tool" not in e.text and "[TOOL" not in e.text and "[ARGS" not in e.text, (cuts, e)
+                elif not isinstance(e, ToolCall):
                     assert "<tool" not in e[1] and "[TOOL" not in e[1] and "{" not in e[1], (cuts, e)
 
 
@@ -65,7 +67,7 @@ def test_char_by_char_stream_releases_text_before_the_call():
     seen = []
     for ch in text:
         seen.append(parser.feed(ch))
-    released = "".join(e[1] for batch in seen for e in batch if not isinstance(e, ToolCall))
+    released = "".join(e[1] for batch in seen for e in batch if isinstance(e, tuple))
     assert released == "Hello there"
     calls = [e for batch in seen for e in batch if isinstance(e, ToolCall)]
     assert [c.name for c in calls] == ["f"] and parser.flush() == []
@@ -114,3 +116,57 @@ def test_calls_from_json_needs_arguments_outside_tags():
 ])
 def test_detect_family(template, family):
     assert detect_family(template) == family
+
+
+def feed_chars(family, text):
+    parser = OutputParser(reasoning=False, tool_family=family)
+    return [parser.feed(ch) for ch in text], parser.flush()
+
+
+@pytest.mark.parametrize("family,text,args", [
+    ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": [1, 2]}}\n</tool_call>',
+     '{"city": "Paris", "days": [1, 2]}'),
+    ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Paris", "note": "a \\"}\\" b"}}',
+     '{"city": "Paris", "note": "a \\"}\\" b"}'),
+    ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}', '{"city": "Paris"}'),
+])
+def test_arguments_stream_in_pieces_as_generated(family, text, args):
+    batches, tail = feed_chars(family, text)
+    events = [e for batch in batches for e in batch] + tail
+    head = next(i for i, e in enumerate(events) if isinstance(e, ToolCall))
+    assert events[head].name == "get_weather" and events[head].arguments == ""
+    pieces = [e.text for e in events if isinstance(e, CallArgs)]
+    assert len(pieces) > 5 and "".join(pieces) == args
+    # each piece leaves as soon as its character arrived: the call is open before its arguments end
+    first_piece = next(i for i, b in enumerate(batches) if any(isinstance(e, CallArgs) for e in b))
+    assert first_piece < len(text) - len(args) // 2
+    assert collect(events).tool_calls[0].arguments == args
+
+
+def test_call_is_committed_before_its_end_tag_arrives():
+    parser = OutputParser(reasoning=False, tool_family="hermes")
+    events = parser.feed('Checking. <tool_call>{"name": "f", "arguments": {"q": "wea')
+    assert events[0] == ("content", "Checking.")
+    assert isinstance(events[1], ToolCall) and events[1].name == "f"
+    assert "".join(e.text for e in events[2:]) == '{"q": "wea'
+
+
+@pytest.mark.parametrize("text,args,content", [
+    ('<tool_call>{"name": "f", "arguments": {"a": [1, ', '{"a": [1, ', ""),                  # max_tokens
+    ('<tool_call>{"name": "f", "arguments": {"a": </tool_call> then', '{"a": ', "then"),    # stray tag
+])
+def test_arguments_cut_short_end_the_call_as_generated(text, args, content):
+    for cut in range(1, len(text)):
+        parsed = collect(run_stream("hermes", text, [cut]))
+        assert [(c.name, c.arguments) for c in parsed.tool_calls] == [("f", args)], cut
+        assert parsed.content == content, cut
+
+
+def test_second_call_is_dropped_whole_when_not_parallel():
+    from turbospark_wsgi.schemas.chat_render import ChatReply, _ChunkWriter
+    writer = _ChunkWriter(ChatReply(model="m", parallel_tool_calls=False))
+    events = run_stream("hermes", HERMES_TWO, [40, 90])
+    deltas = [d for e in events for d in writer.deltas(e)]
+    calls = [c for d in deltas for c in d.get("tool_calls", [])]
+    assert {c["index"] for c in calls} == {0}
+    assert "".join(c["function"]["arguments"] for c in calls) == '{"city": "Paris"}'

@@ -74,6 +74,7 @@ def test_stream_event_order(harness):
     assert "".join(d.get("thinking", "") for d in deltas) == "hm"
     assert "".join(d.get("text", "") for d in deltas) == "Hi."
     assert json.loads("".join(d.get("partial_json", "") for d in deltas)) == {"city": "Paris"}
+    assert sum(1 for d in deltas if d["type"] == "input_json_delta") > 2     # streamed in pieces
     assert evs[-2]["delta"] == {"stop_reason": "tool_use", "stop_sequence": None}
     assert evs[0]["message"]["usage"]["input_tokens"] == evs[-2]["usage"]["input_tokens"]
 

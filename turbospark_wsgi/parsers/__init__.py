@@ -2,14 +2,14 @@
 from dataclasses import dataclass, field
 
 from .reasoning import CONTENT, REASONING, ReasoningSplitter
-from .tool_calls import ToolCall, detect_family, make_parser
+from .tool_calls import CallArgs, ToolCall, detect_family, make_parser
 
-__all__ = ["OutputParser", "ParsedOutput", "parse_output", "ToolCall", "detect_family",
+__all__ = ["OutputParser", "ParsedOutput", "parse_output", "ToolCall", "CallArgs", "detect_family",
            "CONTENT", "REASONING"]
 
 
 class OutputParser:
-    """Text deltas in; `(REASONING, text)`, `(CONTENT, text)` and `ToolCall` events out.
+    """Text deltas in; `(REASONING, text)`, `(CONTENT, text)`, `ToolCall` and `CallArgs` events out.
 
     `reasoning=False` leaves think tags inline in the content. `tool_family=None` parses no tool calls.
     Tool calls are looked for in content only, never inside reasoning.
@@ -50,7 +50,9 @@ def collect(events, parsed=None):
     parsed = parsed or ParsedOutput()
     for event in events:
         if isinstance(event, ToolCall):
-            parsed.tool_calls.append(event)
+            parsed.tool_calls.append(ToolCall(event.name, event.arguments, event.id))
+        elif isinstance(event, CallArgs):
+            parsed.tool_calls[-1].arguments += event.text
         elif event[0] == REASONING:
             parsed.reasoning = (parsed.reasoning or "") + event[1]
         else:

@@ -3,10 +3,17 @@
 Families: "hermes" (Hermes/Qwen `<tool_call>{json}</tool_call>`), "llama3_json" (Llama-3 JSON
 `{"name": ..., "parameters": ...}`, optionally after `<|python_tag|>`), "mistral" (`[TOOL_CALLS]`
 followed by a JSON array, or `name[ARGS]{json}`). A parser's `feed(text)` and `flush()` return a list
-of events: `("content", text)` or a `ToolCall`. A call is released only once it parses; text that
-only looks like a call is released as content, unchanged.
+of events: `("content", text)`, a `ToolCall`, or `CallArgs` (more arguments text of the last call).
+
+A call in the common shape, `{"name": "...", "arguments": {` (or `name[ARGS]{` for Mistral), is
+committed as soon as that head has arrived: its `ToolCall` comes with empty arguments and the
+arguments object then streams as `CallArgs` pieces, as generated, up to its closing brace. Like
+OpenAI's, such arguments are the model's own text and may be cut short (max_tokens, a stray tag).
+Any other shape is released only once the whole call parses; text that only looks like a call is
+released as content, unchanged.
 """
 import json
+import re
 import secrets
 import string
 from dataclasses import dataclass, field
@@ -26,6 +33,57 @@ class ToolCall:
     name: str
     arguments: str                      # JSON text, as OpenAI's `function.arguments`
     id: str = field(default_factory=new_call_id)
+
+
+@dataclass(slots=True)
+class CallArgs:
+    text: str                           # the next piece of the last ToolCall's arguments
+
+
+# The head of a call whose arguments can stream: the name first, then an arguments object.
+_OBJECT_HEAD = re.compile(r'\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)+")\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\{)')
+_BARE = frozenset(" \t\r\n,:-+.0123456789eEtruefalsn")   # JSON outside strings, besides {}[]"
+
+
+def _head_name(match, quoted):
+    if match is None or not quoted:
+        return match and match.group(1)
+    try:
+        return json.loads(match.group(1))
+    except ValueError:
+        return None
+
+
+class _ArgsScanner:
+    """Follows a JSON object's text as it arrives, to tell where the object ends."""
+
+    def __init__(self):
+        self.depth, self.in_string, self.escape, self.done = 0, False, False, False
+
+    def take(self, text):
+        """How much of `text` belongs to the object. Sets `done` at its closing brace, or at a
+        character no JSON holds outside a string (a tag cutting the arguments short)."""
+        for i, ch in enumerate(text):
+            if self.in_string:
+                if self.escape:
+                    self.escape = False
+                elif ch == "\\":
+                    self.escape = True
+                elif ch == '"':
+                    self.in_string = False
+            elif ch == '"':
+                self.in_string = True
+            elif ch in "{[":
+                self.depth += 1
+            elif ch in "}]":
+                self.depth -= 1
+                if self.depth == 0:
+                    self.done = True
+                    return i + 1
+            elif ch not in _BARE:
+                self.done = True
+                return i
+        return len(text)
 
 
 def _to_call(obj, lenient=False):
@@ -74,6 +132,8 @@ class _Parser:
     """Shared content handling: holds back partial triggers and whitespace next to a call."""
 
     triggers = ()
+    name_head = None                # a second committable head besides _OBJECT_HEAD (Mistral's)
+    separators = ""                 # regex of markup allowed between calls, besides , ; [ ] and spaces
 
     def __init__(self):
         self._buf = ""
@@ -81,6 +141,54 @@ class _Parser:
         self._strip_lead = False
         self._started = False       # any content released yet
         self._ws = ""               # whitespace withheld before an open call
+        self._args = None           # an _ArgsScanner while a committed call's arguments stream
+        self._owes_brace = False    # the committed call's object still has its closing brace to come
+        self._committed = 0         # calls committed since the markup opened
+        self._sep = re.compile("(?:" + (f"{self.separators}|" if self.separators else "") + r"\s|[;,\[\]])*")
+
+    def _streaming(self):
+        return self._args is not None or self._owes_brace
+
+    def _commit(self, out, limit=None):
+        """Commits the call whose head starts the buffer (after separators), if it has arrived."""
+        text = self._buf if limit is None else self._buf[:limit]
+        start = self._sep.match(text).end()
+        for head in (_OBJECT_HEAD, self.name_head):
+            match = head.match(text, start) if head else None
+            name = _head_name(match, head is _OBJECT_HEAD)
+            if name:
+                out.append(ToolCall(name, ""))
+                self._args, self._owes_brace = _ArgsScanner(), head is _OBJECT_HEAD
+                self._buf = self._buf[match.end():]
+                self._committed += 1
+                return True
+        return False
+
+    def _stream_step(self, out):
+        """A committed call: its arguments as they arrive, then its object's closing brace."""
+        if self._args is not None:
+            n = self._args.take(self._buf)
+            if n:
+                out.append(CallArgs(self._buf[:n]))
+                self._buf = self._buf[n:]
+            if not self._args.done:
+                return False
+            self._args = None
+            return True
+        rest = self._buf.lstrip()
+        if not rest:
+            return False
+        self._buf, self._owes_brace = rest[1:] if rest[0] == "}" else rest, False
+        return True
+
+    def _leftover(self, out, text, calls, markup):
+        """Call markup text that was not streamed: its calls, else dropped if it is only separators
+        after streamed calls, else released as content (with the markup when nothing was a call)."""
+        if calls:
+            out.extend(calls)
+        elif not (self._committed and self._sep.fullmatch(text)):
+            self._release(out, text if self._committed else markup)
+        return bool(calls) or bool(self._committed)
 
     def feed(self, text):
         self._buf += text
@@ -122,29 +230,29 @@ class TagParser(_Parser):
     def _step(self, out):
         if not self._in_call:
             return self._content_step(out)
+        if self._streaming():
+            return self._stream_step(out)
         # NOTE(tool_calls): a new start tag before the end tag closes the open call (seen in Qwen output).
         body, tag, after = split_at_tag(self._buf, (self._end, self._start))
+        if self._commit(out, None if tag is None else len(body)):
+            return True
         if tag is None:
             return False
         self._strip_lead = self._close(out, body, tag if tag == self._end else "")
-        self._in_call, self._ws, self._buf = tag == self._start, "", after
+        self._in_call, self._ws, self._buf, self._committed = tag == self._start, "", after, 0
         return True
 
     def _close(self, out, body, end):
-        calls = calls_from_json(body, lenient=True)
-        if calls:
-            out.extend(calls)
-        else:
-            self._release(out, self._ws + self._start + body + end)
-        return bool(calls)
+        calls = None if self._committed and self._sep.fullmatch(body) else calls_from_json(body, lenient=True)
+        return self._leftover(out, body, calls, self._ws + self._start + body + end)
 
     def flush(self):
         out = []
         rest, self._buf = self._buf, ""
-        if self._in_call:
-            self._close(out, rest, "")
-        else:
+        if not self._in_call:
             self._release(out, rest)
+        elif not self._streaming():
+            self._close(out, rest, "")
         return out
 
 
@@ -155,11 +263,11 @@ class TailParser(_Parser):
 
     def _step(self, out):
         if self._in_call:
-            return False
+            return self._stream_step(out) if self._streaming() else self._commit(out)
         head = self._buf.lstrip()
         if not self._started and head[:1] and head[0] in self.bare_starts:
             self._in_call, self._tag, self._ws, self._buf = True, "", "", head
-            return False
+            return True
         return self._content_step(out)
 
     def flush(self):
@@ -167,17 +275,15 @@ class TailParser(_Parser):
         rest, self._buf = self._buf, ""
         if not self._in_call:
             self._release(out, rest)
-            return out
-        calls = self.parse(rest)
-        if calls:
-            out.extend(calls)
-        else:
-            self._release(out, self._ws + self._tag + rest)
+        elif not self._streaming():
+            calls = None if self._committed and self._sep.fullmatch(rest) else self.parse(rest)
+            self._leftover(out, rest, calls, self._ws + self._tag + rest)
         return out
 
 
 class Llama3JsonParser(TailParser):
     triggers = ("<|python_tag|>",)
+    separators = re.escape("<|python_tag|>")
     bare_starts = "{"
 
     def parse(self, text):
@@ -186,6 +292,8 @@ class Llama3JsonParser(TailParser):
 
 class MistralParser(TailParser):
     triggers = ("[TOOL_CALLS]",)
+    separators = re.escape("[TOOL_CALLS]")
+    name_head = re.compile(r"([A-Za-z_][\w.-]*)(?:\[CALL_ID\]\w+)?\[ARGS\](?=\{)")
     bare_starts = "["
 
     def parse(self, text):

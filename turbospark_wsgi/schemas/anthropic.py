@@ -191,6 +191,10 @@ def _thinking(value):
 
 
 def tool_input(arguments):
-    """A ToolCall's JSON arguments as the `input` object of a tool_use block."""
-    value = json.loads(arguments or "{}")
+    """A ToolCall's JSON arguments as the `input` object of a tool_use block; arguments cut short
+    (max_tokens) give an empty object."""
+    try:
+        value = json.loads(arguments or "{}")
+    except ValueError:
+        return {}
     return value if isinstance(value, dict) else {"value": value}

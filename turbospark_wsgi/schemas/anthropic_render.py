@@ -2,7 +2,7 @@
 import uuid
 from dataclasses import dataclass, field
 
-from ..parsers import CONTENT, REASONING, ToolCall
+from ..parsers import CONTENT, REASONING, CallArgs, ToolCall
 from .. import sse
 from ..service import Finished, KeepAlive, TextDelta
 from .anthropic import tool_input
@@ -56,6 +56,7 @@ class _Blocks:
     def __init__(self, reply):
         self.reply = reply
         self.index, self.open_kind, self.calls = -1, None, 0
+        self.dropping = False       # a call past the first when parallel_tool_calls is false
 
     def start(self, kind, block):
         yield from self.stop()
@@ -76,6 +77,10 @@ class _Blocks:
         if isinstance(event, ToolCall):
             yield from self._tool(event)
             return
+        if isinstance(event, CallArgs):
+            if not self.dropping and event.text:
+                yield self.delta({"type": "input_json_delta", "partial_json": event.text})
+            return
         kind, text = event
         if kind == REASONING:
             if self.open_kind != REASONING:
@@ -87,12 +92,13 @@ class _Blocks:
             yield self.delta({"type": "text_delta", "text": text})
 
     def _tool(self, call):
-        if self.calls and not self.reply.parallel_tool_calls:
+        """A tool_use block that stays open while the call's arguments stream in."""
+        self.dropping = bool(self.calls) and not self.reply.parallel_tool_calls
+        if self.dropping:
             return
         self.calls += 1
         yield from self.start("tool_use", {"type": "tool_use", "id": tool_use_id(call), "name": call.name, "input": {}})
-        yield self.delta({"type": "input_json_delta", "partial_json": call.arguments})
-        yield from self.stop()
+        yield from self.events(CallArgs(call.arguments))
 
 
 def message_events(reply, parser, events, input_tokens):

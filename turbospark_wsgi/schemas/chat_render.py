@@ -4,7 +4,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from ..parsers import CONTENT, REASONING, ToolCall, collect
+from ..parsers import CONTENT, REASONING, CallArgs, ToolCall, collect
 from .. import sse
 from ..service import Finished, KeepAlive, TextDelta
 
@@ -110,6 +110,7 @@ class _ChunkWriter:
         self.reply = reply
         self.index = index
         self.calls = 0
+        self.dropping = False       # a call past the first when parallel_tool_calls is false
         self.logprobs = None
 
     def chunk(self, delta, reason=None):
@@ -128,12 +129,17 @@ class _ChunkWriter:
 
     def deltas(self, event):
         if isinstance(event, ToolCall):
-            if self.calls and not self.reply.parallel_tool_calls:
+            self.dropping = bool(self.calls) and not self.reply.parallel_tool_calls
+            if self.dropping:
                 return []
-            index, self.calls = self.calls, self.calls + 1
-            head = {"index": index, "id": event.id, "type": "function",
+            self.calls += 1
+            head = {"index": self.calls - 1, "id": event.id, "type": "function",
                     "function": {"name": event.name, "arguments": ""}}
-            return [{"tool_calls": [head]}, {"tool_calls": [{"index": index, "function": {"arguments": event.arguments}}]}]
+            return [{"tool_calls": [head]}] + self.deltas(CallArgs(event.arguments))
+        if isinstance(event, CallArgs):
+            if self.dropping or not event.text:
+                return []
+            return [{"tool_calls": [{"index": self.calls - 1, "function": {"arguments": event.text}}]}]
         kind, text = event
         if kind == REASONING:
             return [{"reasoning_content": text, "reasoning": text}]
