@@ -3,6 +3,7 @@ import numpy as np
 import pytest
 
 from turbospark_wsgi.engine import Finish, SamplingParams, Token, load_engine
+from turbospark_wsgi.engine.model import SMALL_WINDOW
 
 
 def run_alone(engine, prompt, params):
@@ -102,3 +103,48 @@ def test_quantized_engine_batches_exactly_and_agrees_with_fp32(default_gguf, mon
     a = quant.model.forward(ids, quant.model.new_cache(32), logits="all")
     b = fp32.model.forward(ids, fp32.model.new_cache(32), logits="all")
     assert np.abs(a - b).max() < 1e-3
+
+
+def events_of(engine, prompt, params):
+    return [e for e in engine.generate(prompt, params) if isinstance(e, (Token, Finish))]
+
+
+def assert_same_run(warm, cold):
+    assert [(e.id, e.logprob, e.top_logprobs) for e in warm[:-1]] == \
+           [(e.id, e.logprob, e.top_logprobs) for e in cold[:-1]]
+
+
+def check_next_turn_reuses_the_whole_prompt(engine, turn1, follow_up, max_new_tokens, reused=None):
+    """A second turn = turn 1's prompt + its reply + more: a hit on every prompt token of turn 1
+    (not on the reply: decode's K/V are not prefill's bits), and the same run as a cold one.
+    `reused`: the hit expected instead, when turn 1 ends in a short window."""
+    params = SamplingParams(temperature=0, max_new_tokens=max_new_tokens, logprobs=3)
+    assert engine.prefill_chunk > SMALL_WINDOW
+    if not engine.model.rows_exact:
+        pytest.skip("this BLAS gives rows of few-row products other bits: prefixes reuse whole chunks")
+    engine.scheduler.slots.clear()
+    reply = [e.id for e in events_of(engine, turn1, params) if isinstance(e, Token)]
+    turn2 = turn1 + reply + follow_up
+    warm = events_of(engine, turn2, params)
+    assert warm[-1].cached_tokens == (reused or len(turn1)) and len(turn1) % engine.prefill_chunk
+    engine.scheduler.slots.clear()
+    cold = events_of(engine, turn2, params)
+    assert cold[-1].cached_tokens == 0
+    assert_same_run(warm, cold)
+
+
+@pytest.mark.parametrize("kind", ["stories", "tiny_q8"])
+def test_next_turn_reuses_every_prompt_token_exactly(kind, tiny_gguf, request):
+    path = request.getfixturevalue("stories_gguf") if kind == "stories" else tiny_gguf(qtype="Q8_0").path
+    engine = load_engine(path, device="cpu", max_batch=2, prefill_chunk=32)
+    base = prompts_for(engine, 3)[2] * 9
+    # windows of 32: the last one of turn 1 has 26 rows (GEMM, reused) or 9 (few-row kernels, not)
+    check_next_turn_reuses_the_whole_prompt(engine, base[:90], base[1:6], 12)
+    check_next_turn_reuses_the_whole_prompt(engine, base[:105], base[1:6], 12, reused=96)
+
+
+def test_quantized_default_model_reuses_every_prompt_token_exactly(default_gguf):
+    pytest.importorskip("numba")
+    engine = load_engine(default_gguf, device="cpu", max_batch=2)
+    turn1 = engine.encode("You are a helpful assistant. " * 30 + "Tell me about the sea.", add_bos=False)
+    check_next_turn_reuses_the_whole_prompt(engine, turn1, engine.encode(" And the sky?", add_bos=False), 6)

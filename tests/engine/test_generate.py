@@ -27,6 +27,8 @@ class Cache:
 class ScriptedModel:
     """Next token = script[position]; logits favour it strongly. Records every forward call."""
 
+    rows_exact = False          # prefixes are reused in whole aligned chunks
+
     def __init__(self, script):
         self.script = script
         self.calls = []
@@ -35,7 +37,7 @@ class ScriptedModel:
     def new_cache(self, max_seq):
         return Cache(max_seq)
 
-    def forward(self, tokens, cache, logits="last"):
+    def forward(self, tokens, cache, logits="last", exact=False):
         self.calls.append(list(tokens))
         cache.tokens.extend(tokens)
         cache.length += len(tokens)

@@ -5,7 +5,7 @@ import pytest
 from turbospark_wsgi.engine import model as model_mod
 from turbospark_wsgi.engine.kv_cache import KVCache
 from turbospark_wsgi.engine.loader import load_model
-from turbospark_wsgi.engine.model import rms_norm, rope, swiglu
+from turbospark_wsgi.engine.model import ATTN_BLOCK, rms_norm, rope, swiglu
 
 
 def naive_attention(q, keys, vals, pos):
@@ -27,10 +27,25 @@ def test_blocked_attention_matches_naive(tiny_gguf, T, pos, H, G):
     rng = np.random.default_rng(T + pos)
     m = load_model(tiny_gguf().path).model
     q = rng.standard_normal((T, H, 8)).astype(np.float32)
-    keys = rng.standard_normal((pos + T, G, 8)).astype(np.float32)
-    vals = rng.standard_normal((pos + T, G, 8)).astype(np.float32)
-    got = m._attention(q, keys, vals, pos)
-    assert np.abs(got - naive_attention(q, keys, vals, pos)).max() < 1e-5
+    # keys past pos+T (up to the last block's end) hold stale values: the blocks must mask them
+    span = -(-(pos + T) // ATTN_BLOCK) * ATTN_BLOCK
+    keys = rng.standard_normal((span, G, 8)).astype(np.float32)
+    vals = rng.standard_normal((span, G, 8)).astype(np.float32)
+    want = naive_attention(q, keys, vals, pos)
+    assert np.abs(m._block_attention(q, keys, vals, pos) - want).max() < 1e-5
+    if T == 1:
+        assert np.abs(m._attention(q, keys[:pos + 1], vals[:pos + 1], pos) - want).max() < 1e-5
+
+
+def test_block_attention_rows_do_not_depend_on_the_rows_beside_them(tiny_gguf):
+    rng = np.random.default_rng(3)
+    m = load_model(tiny_gguf().path).model
+    q = rng.standard_normal((300, 4, 8)).astype(np.float32)
+    keys = rng.standard_normal((384, 2, 8)).astype(np.float32)
+    vals = rng.standard_normal((384, 2, 8)).astype(np.float32)
+    whole = m._block_attention(q, keys, vals, 0)
+    for a, b in [(0, 1), (37, 40), (100, 229), (127, 300), (299, 300)]:
+        assert np.array_equal(m._block_attention(q[a:b], keys, vals, a), whole[a:b]), (a, b)
 
 
 def test_rope_rotates_halves_by_position_angles():

@@ -6,6 +6,7 @@ chunk for the oldest sequence still prefilling, and one batched decode step for 
 So requests that arrive while others decode join the running batch at the next step.
 """
 from .events import Finish, FinishReason, Prefill, Token
+from .model import SMALL_WINDOW
 from .sampling import Sampler
 from .stops import StopMatcher
 
@@ -22,19 +23,26 @@ def common_prefix(a, b):
 
 
 class Slot:
-    """One KV cache and the token ids whose K/V it holds. The first `exact` ids were computed by
-    whole prefill chunks aligned to multiples of the chunk size, so a later prompt that starts with
-    them can reuse them and get bit-for-bit the same numbers as a run without the cache."""
+    """One KV cache and the token ids whose K/V it holds. The first `exact` ids hold K/V that a run
+    without the cache would compute bit for bit, so a later prompt that starts with them reuses them.
 
-    __slots__ = ("cache", "ids", "exact", "busy", "used")
+    Prompts run in windows aligned to multiples of the chunk size. Which ids are exact depends on
+    the model: where `model.rows_exact`, every position of a window of more than SMALL_WINDOW rows
+    (reused in whole tokens); otherwise only whole windows (reused in whole chunks). Positions of
+    short windows and of decode steps (the reply) never are: they run on few-row kernels whose bits
+    differ from the GEMM's."""
 
-    def __init__(self, cache):
+    __slots__ = ("cache", "ids", "exact", "busy", "used", "granule")
+
+    def __init__(self, cache, granule):
         self.cache, self.ids, self.exact, self.busy, self.used = cache, [], 0, False, 0
+        self.granule = granule      # 1 where any prefix is exact, else the prefill chunk (also
+                                    # when chunks are short windows themselves)
 
-    def reusable(self, prompt, chunk):
+    def reusable(self, prompt):
         # NOTE(prefix-cache): the last prompt token always runs, so there are logits to sample from
         n = min(common_prefix(self.ids, prompt), self.exact, len(prompt) - 1)
-        return n - n % chunk
+        return n - n % self.granule
 
     def keep(self, n):
         self.cache.truncate(n)
@@ -44,11 +52,15 @@ class Slot:
     def forget(self):
         self.keep(0)
 
-    def prefill(self, model, piece, chunk, logits):
-        """Runs prompt tokens `piece` after the held ones; a whole chunk extends the exact prefix."""
-        out = model.forward(piece, self.cache, logits=logits)
+    def prefill(self, model, piece, logits, window):
+        """Runs prompt tokens `piece` after the held ones. `window`: how many rows the aligned
+        window that holds the piece has in the whole prompt; it picks the kernels, as a run without
+        the cache would, and whether the piece extends the exact prefix."""
+        rows = self.granule == 1 and window > SMALL_WINDOW
+        exact = self.exact == len(self.ids) and (rows if self.granule == 1 else len(piece) == self.granule)
+        out = model.forward(piece, self.cache, logits=logits, exact=rows)
         self.ids.extend(piece)
-        if len(piece) == chunk:
+        if exact:
             self.exact = len(self.ids)
         return out
 
@@ -60,7 +72,7 @@ class Sequence:
         self.slot, self.prompt, self.params = slot, prompt, params
         self.should_stop = should_stop or (lambda: False)
         self.chunk, self.max_context = chunk, max_context
-        self.cached = slot.reusable(prompt, chunk)
+        self.cached = slot.reusable(prompt)
         slot.keep(self.cached)
         self.sampler = Sampler(params, prompt)
         self.decoder = tokenizer.incremental_decoder()
@@ -76,9 +88,10 @@ class Sequence:
 
     def prefill_chunk(self, model):
         start = len(self.slot.ids)
-        piece = self.prompt[start:start + self.chunk]
-        last = start + len(piece) == len(self.prompt)
-        logits = self.slot.prefill(model, piece, self.chunk, "last" if last else "none")
+        window = start - start % self.chunk                             # the aligned window's start
+        end = min(window + self.chunk, len(self.prompt))
+        last = end == len(self.prompt)
+        logits = self.slot.prefill(model, self.prompt[start:end], "last" if last else "none", end - window)
         self.events.append(Prefill(len(self.slot.ids), len(self.prompt)))
         if last:
             self.state = _DECODE
@@ -134,10 +147,11 @@ class Scheduler:
         slot while fewer than max_batch exist, else the least recently used (so a warm prefix
         survives unrelated requests as long as it can)."""
         free = [s for s in self.slots if not s.busy]
-        best = max(free, key=lambda s: (s.reusable(prompt, self.chunk), -s.used), default=None)
-        if best is None or best.reusable(prompt, self.chunk) == 0:
+        best = max(free, key=lambda s: (s.reusable(prompt), -s.used), default=None)
+        if best is None or best.reusable(prompt) == 0:
             if len(self.slots) < self.max_batch:
-                best = Slot(self.model.new_cache(self.max_context))
+                granule = 1 if self.chunk > SMALL_WINDOW and self.model.rows_exact else self.chunk
+                best = Slot(self.model.new_cache(self.max_context), granule)
                 self.slots.append(best)
             elif best is not None:
                 best = min(free, key=lambda s: s.used)

@@ -184,6 +184,15 @@ class QLinear:
         y = qmatmul(x.reshape(-1, self.w.k), self.w, threads=self.threads)
         return y.reshape(*lead, self.w.n)
 
+    def matmul_gemm(self, x):
+        """x @ W.T on the dequantize-and-GEMM path whatever the row count (prefill: the same path
+        for every chunk, so a row's bits do not depend on the chunk's size)."""
+        x = np.asarray(x, dtype=np.float32)
+        if not AVAILABLE:
+            return self.__rmatmul__(x)
+        y = qmatmul(x.reshape(-1, self.w.k), self.w, threads=self.threads, path="blas")
+        return y.reshape(*x.shape[:-1], self.w.n)
+
 
 class QEmbedding:
     """Row lookup `emb[ids]` -> float32 [len(ids), k] from a quantized [vocab, k] QMatrix."""

@@ -4,7 +4,15 @@ import numpy as np
 from .backend import to_host
 from .kv_cache import KVCache
 
-ATTN_BLOCK = 128   # query rows per attention block in prefill (keys beyond the block's end are skipped)
+ATTN_BLOCK = 128   # prefill attention blocks: positions [k*128, (k+1)*128) see keys up to the block's end
+# NOTE(exact-prefix): BLAS picks other kernels for products of few rows; from 32 rows up (measured on
+# OpenBLAS 0.3.31 for every product shape of SmolLM2's forward pass) each row of the result has the
+# same bits whatever rows stand beside it. Exact prefill products are padded to this many rows.
+ROW_FLOOR = 32
+# PERF(prefill): a prompt window of at most this many rows (a short prompt, or the short last window
+# of a long one) runs on the fast few-row kernels instead: padded to ROW_FLOOR rows on the GEMM path,
+# a one-token prompt measured 137 ms against 22 ms. Such rows are simply never reused.
+SMALL_WINDOW = 16
 
 
 class Transformer:
@@ -15,17 +23,34 @@ class Transformer:
         self.inv_freq = rope_inv_freq(cfg, weights.rope_freqs)    # host float64 [rope_dim / 2]
         self._cos = self._sin = None
         self._masks = {}
+        self._rows_exact = None
         self._rope_table(min(cfg.max_seq_len, 4096))                   # grows on demand
+
+    @property
+    def rows_exact(self):
+        """Whether `forward` gives every prompt position the same K/V bits however the prompt was
+        cut into calls, so a cached prefix of any length can be reused exactly.
+
+        NOTE(exact-prefix): by construction the attention of position p always reads the keys up
+        to the end of p's aligned block, and the products go through `rows_matmul`; what is left is
+        BLAS, whose per-row results are checked once here on this model's shapes. CuPy (cuBLAS picks
+        kernels by shape) is not trusted: there only whole aligned chunks are reused."""
+        if self._rows_exact is None:
+            self._rows_exact = self.xp is np and _probe_rows_exact(self)
+        return self._rows_exact
 
     def new_cache(self, max_seq=None):
         """An empty KVCache for up to `max_seq` positions (default: the model's context length)."""
         c = self.cfg
         return KVCache(c.n_layer, max_seq or c.max_seq_len, c.n_kv_head, c.head_dim, self.xp)
 
-    def forward(self, tokens, cache, logits="last"):
+    def forward(self, tokens, cache, logits="last", exact=False):
         """Runs `tokens` (ids) at positions cache.length.. and advances cache.length by len(tokens).
-        Returns host float32 logits: "last" -> [vocab], "all" -> [T, vocab], "none" -> None."""
+        Returns host float32 logits: "last" -> [vocab], "all" -> [T, vocab], "none" -> None.
+        `exact` runs the products on `rows_matmul`, so each position's K/V bits do not depend on
+        how the prompt was cut into calls (where `rows_exact`)."""
         c, w, xp = self.cfg, self.w, self.xp
+        mm = rows_matmul if exact else _plain_matmul
         ids = np.asarray(tokens, dtype=np.int64).reshape(-1)
         T, pos, H, G = len(ids), cache.length, c.n_head, c.n_kv_head
         if logits not in ("last", "all", "none"):
@@ -34,16 +59,17 @@ class Transformer:
             raise ValueError(f"cannot run {T} tokens at position {pos} with a cache of {cache.max_seq}")
         cos, sin = self._rope_table(pos + T)
         cos, sin = cos[pos:pos + T], sin[pos:pos + T]                   # [T, 1, rope_dim/2]
+        span = -(-(pos + T) // ATTN_BLOCK) * ATTN_BLOCK                 # end of the last row's block
         x = self._embed(ids)                                            # [T, dim]
         for i, lw in enumerate(w.layers):
             h = rms_norm(x, lw.attn_norm, c.norm_eps, xp)               # [T, dim]
-            qkv = (h @ lw.wqkv).reshape(T, H + 2 * G, c.head_dim)       # [T, H+2G, D]  q|k|v heads
+            qkv = mm(h, lw.wqkv, xp).reshape(T, H + 2 * G, c.head_dim)  # [T, H+2G, D]  q|k|v heads
             qk = rope(qkv[:, :H + G], cos, sin, c.rope_dim, xp)         # [T, H+G, D]  rotated q and k
-            keys, vals = cache.update(i, pos, qk[:, H:], qkv[:, H + G:])  # [pos+T, G, D] each
-            att = self._attention(qk[:, :H], keys, vals, pos)           # [T, H*D]
-            x += att @ lw.wo                                            # [T, dim]  residual
+            keys, vals = cache.update(i, pos, qk[:, H:], qkv[:, H + G:], span)  # [<=span, G, D] each
+            att = self._block_attention(qk[:, :H], keys, vals, pos)     # [T, H*D]
+            x += mm(att, lw.wo, xp)                                     # [T, dim]  residual
             h = rms_norm(x, lw.ffn_norm, c.norm_eps, xp)                # [T, dim]
-            x += swiglu(h @ lw.w_gate_up, c.ffn_dim, xp) @ lw.w_down    # [T, dim]  residual
+            x += mm(swiglu(mm(h, lw.w_gate_up, xp), c.ffn_dim, xp), lw.w_down, xp)   # [T, dim]
         cache.length = pos + T
         if logits == "none":
             return None
@@ -89,29 +115,47 @@ class Transformer:
         return xp.ascontiguousarray(w.head[:, ids].T)                   # tied: columns of the head
 
     def _attention(self, q, keys, vals, pos):
-        """Causal attention of q `[T, H, D]` (pre-scaled) at positions pos.. over keys/values
-        `[pos+T, G, D]`. Query head h reads KV head h // kv_mul. Returns `[T, H*D]`."""
+        """Attention of one decode row q `[1, H, D]` (pre-scaled) at position pos over keys/values
+        `[pos+1, G, D]`. Query head h reads KV head h // kv_mul. Returns `[1, H*D]`."""
+        H, D = q.shape[1:]
+        G = keys.shape[1]
+        qg = q.reshape(G, H // G, D)                                    # [G, M, D]
+        s = qg @ keys.transpose(1, 2, 0)                                # [G, M, pos+1]  scores
+        s -= s.max(axis=-1, keepdims=True)
+        self.xp.exp(s, out=s)
+        o = s @ vals.transpose(1, 0, 2)                                 # [G, M, D]
+        o /= s.sum(axis=-1, keepdims=True)
+        return o.reshape(1, H * D)
+
+    def _block_attention(self, q, keys, vals, pos):
+        """Causal attention of prompt rows q `[T, H, D]` (pre-scaled) at positions pos.. over
+        keys/values `[n, G, D]` (n: at least the end of the last row's block). Returns `[T, H*D]`.
+
+        Rows are taken in blocks aligned to multiples of ATTN_BLOCK; every row of a block reads the
+        keys up to the block's end, the ones after itself masked. So a row's numbers depend on its
+        position only, not on which other rows came in the same call (see `rows_exact`)."""
         xp = self.xp
         T, H, D = q.shape
         G = keys.shape[1]
         M = H // G                                                      # query heads per KV head
         qg = q.reshape(T, G, M, D).transpose(1, 0, 2, 3).reshape(G, T * M, D)   # rows: (t, m)
-        kt = keys.transpose(1, 2, 0)                                    # [G, D, pos+T]
-        vg = vals.transpose(1, 0, 2)                                    # [G, pos+T, D]
+        kt = keys.transpose(1, 2, 0)                                    # [G, D, n]
+        vg = vals.transpose(1, 0, 2)                                    # [G, n, D]
         out = xp.empty((G, T * M, D), dtype=q.dtype)
-        # PERF(attention): query blocks skip the keys after the block, the causal mask touches only
-        # the block's diagonal square, and the softmax divides the [rows, D] result, not the scores.
-        for b0 in range(0, T, ATTN_BLOCK):
-            b1 = min(T, b0 + ATTN_BLOCK)
-            n = pos + b1                                                # keys visible in this block
-            s = qg[:, b0 * M:b1 * M] @ kt[:, :, :n]                     # [G, rows, n]  scores
-            if b1 - b0 > 1:
-                s[:, :, pos + b0:n] += self._causal_mask(b1 - b0, M)    # -inf above the diagonal
+        # PERF(attention): a block skips the keys after it, the causal mask touches only the block's
+        # diagonal square, and the softmax divides the [rows, D] result, not the scores.
+        first = pos - pos % ATTN_BLOCK
+        for start in range(first, pos + T, ATTN_BLOCK):
+            r0, r1 = max(start, pos) - pos, min(start + ATTN_BLOCK, pos + T) - pos   # rows in this call
+            n = min(start + ATTN_BLOCK, keys.shape[0])                  # keys read by this block
+            s = rows_matmul(qg[:, r0 * M:r1 * M], kt[:, :, :n], xp)     # [G, rows, n]  scores
+            i0 = pos + r0 - start                                       # first row's place in the block
+            s[:, :, start:n] += self._causal_mask(ATTN_BLOCK, M)[i0 * M:(i0 + r1 - r0) * M, :n - start]
             s -= s.max(axis=-1, keepdims=True)
             xp.exp(s, out=s)
-            o = s @ vg[:, :n]                                           # [G, rows, D]
+            o = rows_matmul(s, vg[:, :n], xp)                           # [G, rows, D]
             o /= s.sum(axis=-1, keepdims=True)
-            out[:, b0 * M:b1 * M] = o
+            out[:, r0 * M:r1 * M] = o
         return out.reshape(G, T, M, D).transpose(1, 0, 2, 3).reshape(T, H * D)
 
     def _causal_mask(self, t, m):
@@ -130,6 +174,43 @@ class Transformer:
             self._cos = self.xp.asarray(np.cos(angles).astype(np.float32)[:, None, :])
             self._sin = self.xp.asarray(np.sin(angles).astype(np.float32)[:, None, :])
         return self._cos, self._sin
+
+
+def rows_matmul(x, w, xp):
+    """x `[..., m, k]` @ w `[..., k, n]` (w may be a quantized QLinear), computed so that each row's
+    result does not depend on the rows beside it: fewer than ROW_FLOOR rows are padded with zeros,
+    and a QLinear always takes its dequantize-and-GEMM path. Used by the prefill forward pass."""
+    m = x.shape[-2]
+    if m < ROW_FLOOR:
+        pad = xp.zeros(x.shape[:-2] + (ROW_FLOOR - m, x.shape[-1]), dtype=x.dtype)
+        x = xp.concatenate([x, pad], axis=-2)
+    out = w.matmul_gemm(x) if hasattr(w, "matmul_gemm") else x @ w
+    return out[..., :m, :]
+
+
+def _plain_matmul(x, w, xp):
+    return x @ w
+
+
+def _probe_rows_exact(model, rows=128):
+    """Checks rows_matmul on this model's product shapes: rows taken a few at a time must equal
+    the same rows of one whole product, bit for bit."""
+    c, lw = model.cfg, model.w.layers[0]
+    rng = np.random.default_rng(0)
+    M = c.n_head // c.n_kv_head
+    n = 2 * ATTN_BLOCK + 5
+    cases = [(rng.standard_normal((rows, w.shape[0]), dtype=np.float32), w)
+             for w in (lw.wqkv, lw.wo, lw.w_gate_up, lw.w_down)]
+    cases += [(rng.standard_normal((c.n_kv_head, ATTN_BLOCK * M, c.head_dim), dtype=np.float32),
+               rng.standard_normal((c.n_kv_head, n, c.head_dim), dtype=np.float32).transpose(0, 2, 1)),
+              (rng.random((c.n_kv_head, ATTN_BLOCK * M, n), dtype=np.float32),
+               rng.standard_normal((c.n_kv_head, n, c.head_dim), dtype=np.float32))]
+    for x, w in cases:
+        whole = rows_matmul(x, w, np)
+        for a, m in ((0, 1), (5, 3), (40, 17), (7, 31), (50, 46), (1, rows - 1)):
+            if not np.array_equal(rows_matmul(x[..., a:a + m, :], w, np), whole[..., a:a + m, :]):
+                return False
+    return True
 
 
 def rms_norm(x, weight, eps, xp):
