@@ -26,6 +26,8 @@ TOOL = {"name": "get_weather", "description": "w", "input_schema": {"type": "obj
     ({"max_tokens": 5, "messages": USER, "tool_choice": {"type": "any"}}, "tool_choice"),
     ({"max_tokens": 5, "messages": USER, "temperature": 1.5}, "temperature"),
     ({"max_tokens": 5, "messages": USER, "thinking": {"type": "sometimes"}}, "thinking.type"),
+    ({"max_tokens": 5, "messages": USER, "thinking": {"type": "enabled"}}, "thinking.budget_tokens"),
+    ({"max_tokens": 5, "messages": USER, "thinking": {"type": "enabled", "budget_tokens": 5}}, "thinking.budget_tokens"),
     ({"max_tokens": 5, "messages": USER, "system": [{"type": "image"}]}, "system.0"),
 ])
 def test_malformed_bodies(body, param):
@@ -36,7 +38,7 @@ def test_malformed_bodies(body, param):
 
 def test_conversation_maps_to_template_messages():
     req = parse_messages_request({
-        "max_tokens": 9, "system": [{"type": "text", "text": "sys"}], "stop_sequences": ["END"],
+        "max_tokens": 4096, "system": [{"type": "text", "text": "sys"}], "stop_sequences": ["END"],
         "top_k": 5, "tools": [TOOL], "tool_choice": {"type": "any", "disable_parallel_tool_use": True},
         "thinking": {"type": "enabled", "budget_tokens": 2048},
         "messages": [
@@ -58,10 +60,10 @@ def test_conversation_maps_to_template_messages():
         {"role": "tool", "tool_call_id": "toolu_1", "content": "5C"},
         {"role": "user", "content": "thanks"},
     ]
-    assert req.max_tokens == 9 and req.params.stop == ("END",) and req.params.top_k == 5
+    assert req.max_tokens == 4096 and req.params.stop == ("END",) and req.params.top_k == 5
     assert req.tool_choice == "required" and req.parallel_tool_calls is False
     assert req.tools[0]["function"]["parameters"] == TOOL["input_schema"]
-    assert req.template_kwargs == {"enable_thinking": True}
+    assert req.template_kwargs == {"enable_thinking": True} and req.thinking_budget == 2048
 
 
 def test_count_only_needs_no_max_tokens():

@@ -45,6 +45,7 @@ class GenerationRequest:
     request_id: str = ""
     prompt_param: str = "prompt"            # the request field blamed when the prompt is too long
     assistant_prefix: str = ""              # chat only: text the reply starts with (a forced tool call)
+    thinking_budget: int | None = None      # reasoning tokens before the think tag is closed (no grammar)
 
 
 @dataclass(slots=True)
@@ -323,6 +324,7 @@ class Generation:
         self.enqueued_at, self.started_at = time.monotonic(), None
         self.first_token_at = self.finished_at = None
         self._engine, self._ids, self._params, self._grammar = engine, ids, params, grammar
+        self._thinking_budget = req.thinking_budget
         self._n, self._runs = req.n, max(req.n, req.best_of or 1)
         self._echo_text = None if not req.echo else (req.prompt if req.prompt is not None else None)
         self._echo, self._report = req.echo, req.logprobs is not None
@@ -407,12 +409,19 @@ class Generation:
         scored = yield from self._await(compute.submit(self._engine.score, self._ids, self._params.logprobs))
         return TextDelta(text, [self._entry(t, lp, top) for t, (lp, top) in zip(self._ids, scored)])
 
+    def _constraint(self):
+        if self._grammar is not None:       # NOTE(thinking): a grammar governs the whole reply
+            return self._grammar.start()
+        if self._thinking_budget and hasattr(self._engine, "thinking_budget"):
+            return self._engine.thinking_budget(self._thinking_budget, self._ids)
+        return None
+
     def _choice(self, i, echo, last):
         """One choice's events; returns False when the run was cancelled."""
         params = self._params
         params = dataclasses.replace(
             params, seed=None if params.seed is None else (params.seed + i) % 2 ** 64,
-            constraint=self._grammar.start() if self._grammar is not None else None)
+            constraint=self._constraint())
         if echo is not None:
             yield TextDelta(echo.text, echo.logprobs if self._report else None, i)
         if params.max_new_tokens == 0:

@@ -75,3 +75,37 @@ def test_same_seed_same_constrained_output(engine):
 def test_a_grammar_that_cannot_compile_names_the_problem(engine, schema, words):
     with pytest.raises(ValueError, match=words):
         engine.compile_grammar({"grammars": [{"json_schema": schema}]})
+
+
+def test_thinking_budget_forces_the_closing_tag_after_budget_tokens():
+    from turbospark_wsgi.engine.constraints import ThinkingBudget
+    budget = ThinkingBudget(3, open_ids=[7, 8], close_ids=[9, 10], prompt_ids=[1, 7, 8], vocab_size=12)
+    for token in (5, 6, 5):                   # the prompt opened the tag: three tokens of thought
+        assert budget.allowed_mask() is None
+        budget.advance(token)
+    for token in (9, 10):                     # then only the closing tag, token by token
+        mask = budget.allowed_mask()
+        assert mask.sum() == 1 and mask[token]
+        budget.advance(token)
+    for token in (5, 7, 8, 5, 9, 10, 5):      # after it anything; a tag reopened and closed in time is free
+        assert budget.allowed_mask() is None
+        budget.advance(token)
+
+
+def test_thinking_budget_counts_only_inside_the_tag():
+    from turbospark_wsgi.engine.constraints import ThinkingBudget
+    budget = ThinkingBudget(2, open_ids=[7], close_ids=[9], prompt_ids=[1, 7, 9], vocab_size=12)  # closed
+    for token in (5, 5, 5, 7, 5):
+        assert budget.allowed_mask() is None
+        budget.advance(token)
+    budget.advance(5)                         # the second token inside the reopened tag
+    assert budget.allowed_mask()[9] and budget.allowed_mask().sum() == 1
+
+
+def test_thinking_budget_on_a_real_run(engine):
+    open_ids, close_ids = engine.encode("<think>", add_bos=False), engine.encode("</think>", add_bos=False)
+    prompt = engine.encode("Hello", add_bos=True) + open_ids
+    params = SamplingParams(max_new_tokens=12, temperature=1.0, seed=3, ignore_eos=True,
+                            constraint=engine.thinking_budget(4, prompt))
+    out = [e.id for e in engine.generate(prompt, params) if isinstance(e, Token)]
+    assert out[4:4 + len(close_ids)] == close_ids and len(out) == 12

@@ -113,3 +113,13 @@ def test_mid_stream_failure_is_an_anthropic_error_event(harness):
     text = post(harness, {"max_tokens": 20, "messages": USER, "stream": True}).text
     error = [line for line in text.split("\n") if line.startswith("data: ") and '"error"' in line]
     assert "event: error" in text and json.loads(error[-1][6:])["error"]["type"] == "api_error"
+
+
+def test_thinking_budget_reaches_the_run_as_a_constraint(harness):
+    engine = set_reply(harness, "<think>hm</think>Hi.")
+    seen = []
+    engine.thinking_budget = lambda budget, ids: seen.append((budget, list(ids))) or "budget-constraint"
+    post(harness, {"max_tokens": 200, "messages": USER, "thinking": {"type": "enabled", "budget_tokens": 64}})
+    assert seen == [(64, engine.runs[-1].ids)] and engine.runs[-1].params.constraint == "budget-constraint"
+    post(harness, {"max_tokens": 200, "messages": USER})
+    assert len(seen) == 1 and engine.runs[-1].params.constraint is None

@@ -80,6 +80,56 @@ class Constraint:
         return self._m.is_stopped() or self._m.is_accepting() and not self.allowed_mask().sum() > 1
 
 
+class ThinkingBudget:
+    """Ends reasoning after `budget` tokens (Anthropic's `thinking.budget_tokens`): once that many
+    tokens were generated inside an open think tag, only the closing tag's tokens may come until
+    it is written; then anything may follow. Whether the prompt already opened the tag (templates
+    that start the reply inside `<think>`) is read from the prompt's ids.
+
+    The Constraint protocol, with `allowed_mask()` None while every token is allowed."""
+
+    def __init__(self, budget, open_ids, close_ids, prompt_ids, vocab_size):
+        self.budget, self._open, self._close, self._vocab = int(budget), list(open_ids), list(close_ids), vocab_size
+        self._ids = list(prompt_ids)
+        self._thinking = _last(self._ids, self._open) > _last(self._ids, self._close)
+        self._count, self._forcing = 0, None       # tokens thought; next index into close_ids when forcing
+
+    def allowed_mask(self):
+        if self._forcing is None:
+            return None
+        mask = np.zeros(self._vocab, dtype=bool)
+        mask[self._close[self._forcing]] = True
+        return mask
+
+    def advance(self, token):
+        self._ids.append(int(token))
+        if self._forcing is not None:
+            self._forcing += 1
+            if self._forcing == len(self._close):
+                self._forcing, self._thinking = None, False
+        elif self._thinking:
+            if self._ids[-len(self._close):] == self._close:
+                self._thinking = False
+            else:
+                self._count += 1
+                if self._count >= self.budget:
+                    self._forcing = 0
+        elif self._ids[-len(self._open):] == self._open:
+            self._thinking, self._count = True, 0
+
+    def is_done(self):
+        return False
+
+
+def _last(ids, seq):
+    """The end of the last occurrence of `seq` in `ids`, or -1."""
+    n = len(seq)
+    for end in range(len(ids), n - 1, -1):
+        if ids[end - n:end] == seq:
+            return end
+    return -1
+
+
 def _short(message, limit=400):
     message = " ".join(str(message).split())
     return message if len(message) <= limit else message[:limit] + "..."

@@ -2,7 +2,7 @@
 from pathlib import Path
 
 from .chat_template import ChatTemplate
-from .constraints import ConstraintCompiler
+from .constraints import ConstraintCompiler, ThinkingBudget
 from .events import Finish
 from .generate import Scheduler
 from .loader import load_model
@@ -63,6 +63,12 @@ class Engine:
         """A compiled grammar (`.start()` -> Constraint for SamplingParams.constraint); ValueError
         naming the problem when the spec (llguidance JSON grammar format) cannot compile."""
         return self._constraints.compile(grammar)
+
+    def thinking_budget(self, budget, prompt_ids, open_tag="<think>", close_tag="</think>"):
+        """A constraint (SamplingParams.constraint) that closes the think tag after `budget`
+        reasoning tokens of the run that continues `prompt_ids`."""
+        return ThinkingBudget(budget, self.encode(open_tag, add_bos=False), self.encode(close_tag, add_bos=False),
+                              prompt_ids, self.config.vocab_size)
 
     def generate(self, prompt_ids, params, should_stop=None):
         """Events for one run (see engine/__init__). Runs that are alive at the same time share

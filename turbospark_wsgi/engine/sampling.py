@@ -26,7 +26,7 @@ class SamplingParams:
     stop: tuple = ()                    # stop strings, matched on text
     stop_token_ids: tuple = ()          # extra ids that end the run (besides the model's eos/end-of-turn)
     ignore_eos: bool = False
-    constraint: object = None           # engine.constraints.Constraint (allowed_mask/advance/is_done) or None
+    constraint: object = None           # engine.constraints.Constraint or ThinkingBudget (allowed_mask/advance/is_done) or None
 
 
 def log_softmax(logits):
@@ -58,8 +58,9 @@ class Sampler:
         """logits: [V] float32 -> (token id, logprob | None, top logprobs | None)."""
         p = self.params
         x = self._process(logits)
-        if p.constraint is not None:
-            x = np.where(p.constraint.allowed_mask(), x, -np.inf)
+        mask = p.constraint.allowed_mask() if p.constraint is not None else None
+        if mask is not None:                               # None: every token is allowed this step
+            x = np.where(mask, x, -np.inf)
         token = self._choose(x)
         if p.constraint is not None:
             p.constraint.advance(token)

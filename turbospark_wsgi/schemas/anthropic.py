@@ -21,6 +21,7 @@ class MessagesRequest:
     parallel_tool_calls: bool = True
     stream: bool = False
     template_kwargs: dict = field(default_factory=dict)
+    thinking_budget: int | None = None    # thinking.budget_tokens when thinking is enabled
 
 
 def parse_messages_request(doc, count_only=False):
@@ -35,7 +36,7 @@ def parse_messages_request(doc, count_only=False):
     return MessagesRequest(
         messages=messages, params=_params(doc), max_tokens=max_tokens, model=_model(doc),
         tools=tools if choice != "none" else None, tool_choice=choice, parallel_tool_calls=parallel,
-        stream=checks.boolean(doc, "stream"), template_kwargs=_thinking(doc.get("thinking")))
+        stream=checks.boolean(doc, "stream"), **_thinking(doc.get("thinking"), max_tokens))
 
 
 def _model(doc):
@@ -178,15 +179,20 @@ def _tool_choice(value, tools):
     return _CHOICES[kind], parallel
 
 
-def _thinking(value):
+def _thinking(value, max_tokens):
+    """MessagesRequest fields for `thinking`: the template's enable_thinking and the budget."""
     if value is None:
         return {}
     kind = value.get("type") if isinstance(value, dict) else None
     if kind == "enabled":
-        checks.integer(value, "budget_tokens", 1, None)
-        return {"enable_thinking": True}
+        budget = checks.integer(value, "budget_tokens", 1, None)
+        if budget is None:
+            fail("thinking.budget_tokens", "thinking.budget_tokens: Field required")
+        if max_tokens and budget >= max_tokens:
+            fail("thinking.budget_tokens", "`max_tokens` must be greater than `thinking.budget_tokens`")
+        return {"template_kwargs": {"enable_thinking": True}, "thinking_budget": budget}
     if kind in ("disabled", "adaptive"):
-        return {"enable_thinking": kind == "adaptive"}
+        return {"template_kwargs": {"enable_thinking": kind == "adaptive"}}
     fail("thinking.type", "thinking.type: expected 'enabled' or 'disabled'")
 
 
