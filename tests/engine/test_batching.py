@@ -126,7 +126,8 @@ def check_next_turn_reuses_the_whole_prompt(engine, turn1, follow_up, max_new_to
     reply = [e.id for e in events_of(engine, turn1, params) if isinstance(e, Token)]
     turn2 = turn1 + reply + follow_up
     warm = events_of(engine, turn2, params)
-    assert warm[-1].cached_tokens == (reused or len(turn1)) and len(turn1) % engine.prefill_chunk
+    assert warm[-1].cached_tokens == (len(turn1) if reused is None else reused)
+    assert len(turn1) % engine.prefill_chunk
     engine.scheduler.slots.clear()
     cold = events_of(engine, turn2, params)
     assert cold[-1].cached_tokens == 0
@@ -138,9 +139,11 @@ def test_next_turn_reuses_every_prompt_token_exactly(kind, tiny_gguf, request):
     path = request.getfixturevalue("stories_gguf") if kind == "stories" else tiny_gguf(qtype="Q8_0").path
     engine = load_engine(path, device="cpu", max_batch=2, prefill_chunk=32)
     base = prompts_for(engine, 3)[2] * 9
-    # windows of 32: the last one of turn 1 has 26 rows (GEMM, reused) or 9 (few-row kernels, not)
+    # chunks of 32: turn 1 ends in a 26-token piece, or 41 = 32 + a 9-token tail run in one call;
+    # a prompt of at most SMALL_WINDOW tokens runs on the few-row kernels and is not reused
     check_next_turn_reuses_the_whole_prompt(engine, base[:90], base[1:6], 12)
-    check_next_turn_reuses_the_whole_prompt(engine, base[:105], base[1:6], 12, reused=96)
+    check_next_turn_reuses_the_whole_prompt(engine, base[:105], base[1:40], 12)
+    check_next_turn_reuses_the_whole_prompt(engine, base[:SMALL_WINDOW - 1], base[1:40], 12, reused=0)
 
 
 def test_quantized_default_model_reuses_every_prompt_token_exactly(default_gguf):

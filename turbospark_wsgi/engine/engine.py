@@ -96,9 +96,10 @@ class Engine:
         try:
             slot.forget()
             out = [(None, [])]
-            for start in range(0, len(prompt_ids), self.prefill_chunk):
-                piece = prompt_ids[start:start + self.prefill_chunk]
-                lp = log_softmax(slot.prefill(self.model, piece, "all", len(piece)))   # [T, V]
+            while len(slot.ids) < len(prompt_ids):
+                start = len(slot.ids)
+                piece, rows = slot.pieces(prompt_ids, self.prefill_chunk)
+                lp = log_softmax(slot.prefill(self.model, piece, "all", rows))   # [T, V]
                 for row, nxt in zip(lp, prompt_ids[start + 1:start + len(piece) + 1]):
                     out.append((float(row[nxt]), top_n(row, top)))
             return out

@@ -26,11 +26,11 @@ class Slot:
     """One KV cache and the token ids whose K/V it holds. The first `exact` ids hold K/V that a run
     without the cache would compute bit for bit, so a later prompt that starts with them reuses them.
 
-    Prompts run in windows aligned to multiples of the chunk size. Which ids are exact depends on
-    the model: where `model.rows_exact`, every position of a window of more than SMALL_WINDOW rows
-    (reused in whole tokens); otherwise only whole windows (reused in whole chunks). Positions of
-    short windows and of decode steps (the reply) never are: they run on few-row kernels whose bits
-    differ from the GEMM's."""
+    Which ids are exact depends on the model. Where `model.rows_exact`, every position of a prompt
+    of more than SMALL_WINDOW tokens: such prompts run all their rows on the row-exact GEMM path, in
+    any pieces (reused in whole tokens). Otherwise only whole prefill chunks aligned to multiples of
+    the chunk size (reused in whole chunks). Positions of short prompts and of decode steps (the
+    reply) never are: they run on few-row kernels whose bits differ from the GEMM's."""
 
     __slots__ = ("cache", "ids", "exact", "busy", "used", "granule")
 
@@ -52,11 +52,17 @@ class Slot:
     def forget(self):
         self.keep(0)
 
-    def prefill(self, model, piece, logits, window):
-        """Runs prompt tokens `piece` after the held ones. `window`: how many rows the aligned
-        window that holds the piece has in the whole prompt; it picks the kernels, as a run without
-        the cache would, and whether the piece extends the exact prefix."""
-        rows = self.granule == 1 and window > SMALL_WINDOW
+    def pieces(self, prompt, chunk):
+        """The next prompt piece to run after the held ids, and whether it runs row-exact."""
+        start, n = len(self.ids), len(prompt)
+        if self.granule > 1:                                            # whole aligned chunks
+            return prompt[start:start - start % chunk + chunk], False
+        end = start + chunk if n - (start + chunk) > SMALL_WINDOW else n   # no short tail call
+        return prompt[start:end], n > SMALL_WINDOW
+
+    def prefill(self, model, piece, logits, rows):
+        """Runs prompt tokens `piece` after the held ones, on the row-exact path if `rows`, and
+        extends the exact prefix where the piece keeps it exact."""
         exact = self.exact == len(self.ids) and (rows if self.granule == 1 else len(piece) == self.granule)
         out = model.forward(piece, self.cache, logits=logits, exact=rows)
         self.ids.extend(piece)
@@ -87,11 +93,9 @@ class Sequence:
         return self.state == _DONE
 
     def prefill_chunk(self, model):
-        start = len(self.slot.ids)
-        window = start - start % self.chunk                             # the aligned window's start
-        end = min(window + self.chunk, len(self.prompt))
-        last = end == len(self.prompt)
-        logits = self.slot.prefill(model, self.prompt[start:end], "last" if last else "none", end - window)
+        piece, rows = self.slot.pieces(self.prompt, self.chunk)
+        last = len(self.slot.ids) + len(piece) == len(self.prompt)
+        logits = self.slot.prefill(model, piece, "last" if last else "none", rows)
         self.events.append(Prefill(len(self.slot.ids), len(self.prompt)))
         if last:
             self.state = _DECODE

@@ -9,9 +9,9 @@ ATTN_BLOCK = 128   # prefill attention blocks: positions [k*128, (k+1)*128) see 
 # OpenBLAS 0.3.31 for every product shape of SmolLM2's forward pass) each row of the result has the
 # same bits whatever rows stand beside it. Exact prefill products are padded to this many rows.
 ROW_FLOOR = 32
-# PERF(prefill): a prompt window of at most this many rows (a short prompt, or the short last window
-# of a long one) runs on the fast few-row kernels instead: padded to ROW_FLOOR rows on the GEMM path,
-# a one-token prompt measured 137 ms against 22 ms. Such rows are simply never reused.
+# PERF(prefill): a prompt of at most this many tokens runs on the fast few-row kernels instead (padded
+# to ROW_FLOOR rows on the GEMM path a one-token prompt measured 137 ms against 22 ms); its rows are
+# simply never reused. Longer prompts never make a call this short: a short tail joins the piece before.
 SMALL_WINDOW = 16
 
 
