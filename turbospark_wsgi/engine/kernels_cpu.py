@@ -31,6 +31,10 @@ SLAB_ROWS = 1024               # rows dequantized per BLAS call in the large-bat
 # the request thread needs a core for every token; with both cores in the kernel, single-stream
 # decode over HTTP measured 31 tok/s, with one 49 tok/s. Batches (B >= 2) keep every thread.
 SINGLE_ROW_THREADS = int(os.environ.get("TURBOSPARK_SINGLE_ROW_THREADS", "1"))
+# PERF(threads): ...except a product big enough that waking the other threads pays: the 49152x576
+# head (one call per token, 4.6 ms on one thread) halves on two, while a layer's ~50-150 us products
+# gained nothing measurable from a second thread (decode profile, SmolLM2-135M).
+BIG_SINGLE_ROW = 8 * 2 ** 20      # weights
 
 if AVAILABLE:
     _JIT = dict(parallel=True, fastmath=True, cache=True, nogil=True)
@@ -213,7 +217,7 @@ def qmatmul(x, w, out=None, threads=None, path="auto"):
         raise ValueError(f"activation shape {x.shape} does not match weight {w.shape}")
     y = np.empty((x.shape[0], w.n), np.float32) if out is None else out
     use_gemv = path == "gemv" or (path == "auto" and x.shape[0] <= GEMV_MAX_B)
-    if threads is None and x.shape[0] == 1 and SINGLE_ROW_THREADS:
+    if threads is None and x.shape[0] == 1 and SINGLE_ROW_THREADS and w.n * w.k < BIG_SINGLE_ROW:
         threads = SINGLE_ROW_THREADS
     with _threads(threads):
         start = 0
