@@ -7,16 +7,22 @@ all rows reuse). Larger batches (prefill) dequantize slabs of W.T to float32 and
 to float32 summation order.
 """
 import os
-from contextlib import contextmanager
+import threading
 
 import numpy as np
 
 from . import quant
 
-# NOTE(threads): numba's default OpenMP layer (libgomp) spins between parallel regions; with
-# another busy process on a 2-core machine that made a 160 us kernel take 10-20 ms (measured).
-# Passive waiting keeps the worst case near the one-thread time. Must be set before libgomp loads.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# NOTE(threads): how libgomp's idle threads wait between parallel regions (set before it loads).
+# Its default spins ~300k rounds: with another busy process on a 2-core machine that made a 160 us
+# kernel take 10-20 ms. Fully passive waiting (spin 0) pays a futex wake-up at each of the ~120
+# products of a decode token, so a second thread bought nothing. A short spin keeps a thread awake
+# across the ~20 us gaps between one token's products and sleeps it soon after. SmolLM2-135M over
+# HTTP, 2 cores (tools/bench.py --vs-llama-cpp --only ours): passive with one thread per single-row
+# product decoded 44 tok/s; spin 2000 56, 5000 62, 10000 64 tok/s, while 512-token prefill (the
+# spinning threads compete with OpenBLAS's) went 458 -> 422, 426, 399 tok/s. 5000 it is.
+os.environ.setdefault("OMP_WAIT_POLICY", "ACTIVE")
+os.environ.setdefault("GOMP_SPINCOUNT", "5000")
 
 try:
     import numba
@@ -27,13 +33,10 @@ except ImportError:            # pragma: no cover - exercised only where numba i
 AVAILABLE = numba is not None
 GEMV_MAX_B = int(os.environ.get("TURBOSPARK_GEMV_MAX_B", "16"))   # larger batches use BLAS
 SLAB_ROWS = 1024               # rows dequantized per BLAS call in the large-batch path
-# PERF(threads): a single-row product (one stream decoding) runs on one thread. Under the server
-# the request thread needs a core for every token; with both cores in the kernel, single-stream
-# decode over HTTP measured 31 tok/s, with one 49 tok/s. Batches (B >= 2) keep every thread.
-SINGLE_ROW_THREADS = int(os.environ.get("TURBOSPARK_SINGLE_ROW_THREADS", "1"))
-# PERF(threads): ...except a product big enough that waking the other threads pays: the 49152x576
-# head (one call per token, 4.6 ms on one thread) halves on two, while a layer's ~50-150 us products
-# gained nothing measurable from a second thread (decode profile, SmolLM2-135M).
+# PERF(threads): a cap on the threads of a single-row product (one stream decoding); 0 = none.
+# With passive waiting one thread was best for the layers' 50-150 us products, the 49152x576 head
+# still halving on two (hence BIG_SINGLE_ROW: products that large ignore the cap).
+SINGLE_ROW_THREADS = int(os.environ.get("TURBOSPARK_SINGLE_ROW_THREADS", "0"))
 BIG_SINGLE_ROW = 8 * 2 ** 20      # weights
 
 if AVAILABLE:
@@ -219,15 +222,15 @@ def qmatmul(x, w, out=None, threads=None, path="auto"):
     use_gemv = path == "gemv" or (path == "auto" and x.shape[0] <= GEMV_MAX_B)
     if threads is None and x.shape[0] == 1 and SINGLE_ROW_THREADS and w.n * w.k < BIG_SINGLE_ROW:
         threads = SINGLE_ROW_THREADS
-    with _threads(threads):
-        start = 0
-        for p in w.parts:
-            part = y[:, start:start + p.n]
-            if use_gemv:
-                _gemv(x, p, part)
-            else:
-                _blas(x, p, part)
-            start += p.n
+    _use_threads(threads)
+    start = 0
+    for p in w.parts:
+        part = y[:, start:start + p.n]
+        if use_gemv:
+            _gemv(x, p, part)
+        else:
+            _blas(x, p, part)
+        start += p.n
     return y
 
 
@@ -265,17 +268,20 @@ def _blas(x, p, y):
         y[:, n0:n1] = x @ wt[:, :n1 - n0]
 
 
-@contextmanager
-def _threads(n):
-    if n is None or not AVAILABLE:
-        yield
+_local = threading.local()
+
+
+def _use_threads(n):
+    """Numba threads for the calling thread's next kernels (None: all of them).
+
+    PERF(threads): numba's setting is per calling thread, so it is set only when it changes; setting
+    and restoring it around every call cost ~13 us a product, 1.6 ms a decode token (121 products)."""
+    if not AVAILABLE:
         return
-    before = numba.get_num_threads()
-    numba.set_num_threads(max(1, min(int(n), numba.config.NUMBA_NUM_THREADS)))
-    try:
-        yield
-    finally:
-        numba.set_num_threads(before)
+    n = numba.config.NUMBA_NUM_THREADS if n is None else max(1, min(int(n), numba.config.NUMBA_NUM_THREADS))
+    if getattr(_local, "threads", None) != n:
+        numba.set_num_threads(n)
+        _local.threads = n
 
 
 def warmup():
