@@ -58,12 +58,13 @@ def bench_prefill(model, n_tokens, rng):
 
 
 def bench_decode(model, steps, rng):
-    """tok/s of `steps` greedy decode steps after an untimed 16-token prefill."""
+    """tok/s of `steps` greedy decode steps after an untimed 16-token prefill, through
+    `decode_batch` with one sequence: the path the server's scheduler runs for a lone stream."""
     cache = model.new_cache(16 + steps)
     logits = model.forward(rng.integers(0, model.cfg.vocab_size, 16), cache)
     t0 = time.perf_counter()
     for _ in range(steps):
-        logits = model.forward([int(np.argmax(logits))], cache)
+        logits = model.decode_batch([int(np.argmax(logits))], [cache])[0]
     return steps / (time.perf_counter() - t0)
 
 
