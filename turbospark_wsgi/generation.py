@@ -1,0 +1,340 @@
+"""The lazy half of the service: a Generation runs an admitted request's choices on the engine
+and yields service events (KeepAlive | TextDelta | Finished), which `collect*` fold for bodies.
+
+service.py admits a request (template, tokens, context and queue checks) and hands it here; the
+HTTP side only ever sees these events.
+"""
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass, field
+
+from . import compute
+from .engine import Finish, FinishReason, Prefill, Token
+from .errors import ApiError, EngineError
+
+log = logging.getLogger("turbospark.service")
+
+
+@dataclass(slots=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+
+    @property
+    def total_tokens(self):
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass(slots=True)
+class KeepAlive:
+    phase: str                              # "queued" | "running"
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    token: str                              # the token's text (special tokens by name, bad UTF-8 escaped)
+    bytes: bytes
+    logprob: float | None                   # None: the first prompt token (nothing before it)
+    top: list = field(default_factory=list)  # [(token, bytes, logprob)], best first
+    text_len: int = 0                       # characters it adds to the decoded text (0 for special tokens)
+
+
+@dataclass(slots=True)
+class TextDelta:
+    text: str
+    logprobs: list | None = None            # [TokenLogprob] of the tokens behind this text, when asked
+    index: int = 0                          # the choice (n > 1)
+
+
+@dataclass(slots=True)
+class Finished:
+    reason: str                             # FinishReason.STOP | LENGTH
+    usage: Usage                            # of the run so far: the last choice's is the total
+    stop_string: str | None = None
+    index: int = 0
+    last: bool = True                       # the last choice's Finished ends the run
+
+
+@dataclass(slots=True)
+class ChoiceResult:
+    index: int
+    text: str = ""
+    logprobs: list | None = None
+    finished: Finished | None = None
+
+
+def collect_choices(events):
+    """Drains a Generation: ([ChoiceResult] by index, the last Finished), or (..., None) if cancelled."""
+    choices, finished = {}, None
+    for event in events:
+        if isinstance(event, TextDelta):
+            choice = choices.setdefault(event.index, ChoiceResult(event.index))
+            choice.text += event.text
+            if event.logprobs is not None:
+                choice.logprobs = choice.logprobs if choice.logprobs is not None else []
+                choice.logprobs.extend(event.logprobs)
+        elif isinstance(event, Finished):
+            choices.setdefault(event.index, ChoiceResult(event.index)).finished = event
+            finished = event if event.last else finished
+    return [choices[i] for i in sorted(choices)], finished
+
+
+def collect(events):
+    """Drains a Generation: (text, Finished), or (text, None) when it was cancelled."""
+    parts, finished = [], None
+    for event in events:
+        if isinstance(event, TextDelta):
+            parts.append(event.text)
+        elif isinstance(event, Finished):
+            finished = event
+    return "".join(parts), finished
+
+
+class Generation:
+    """The lazy half of `Service.run`: an iterator of service events with an idempotent `close()`.
+
+    Choices (n, best_of) run one after another inside the one queue slot; the engine's prefix
+    cache makes the repeated prompt nearly free. Events carry their choice's `index`.
+
+    Attributes for logs and metrics: model_id, usage, finish_reason, enqueued_at, started_at,
+    first_token_at, finished_at (time.monotonic values or None).
+    """
+
+    def __init__(self, engine, ids, params, req, cancel, ticket, keepalive, grammar=None):
+        self.model_id = engine.name
+        self.request_id = req.request_id
+        self.prompt_tokens = len(ids)
+        self.usage = None
+        self.finish_reason = None
+        self.enqueued_at, self.started_at = time.monotonic(), None
+        self.first_token_at = self.finished_at = None
+        self._engine, self._ids, self._params, self._grammar = engine, ids, params, grammar
+        self._thinking_budget = req.thinking_budget
+        self._n, self._runs = req.n, max(req.n, req.best_of or 1)
+        self._echo_text = None if not req.echo else (req.prompt if req.prompt is not None else None)
+        self._echo, self._report = req.echo, req.logprobs is not None
+        self._cancel, self._ticket, self._keepalive = cancel, ticket, keepalive
+        self._steps = self._pending = None
+        self._completion_tokens = 0
+        self._lp_pending = []                     # TokenLogprobs whose text is still held back
+        self._quiet_since = time.monotonic()      # last time the consumer got an event
+        self._cleaned = False
+        self.time_limited = False                 # ended by the wall-clock limit (finish reason length)
+        self._time_limit, self._on_close = 0.0, []
+        self._gen = self._events()
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return next(self._gen)
+
+    def on_close(self, fn):
+        """Calls `fn()` once when the generation is closed (after its queue slot is released)."""
+        self._on_close.append(fn)
+
+    def limit_time(self, seconds):
+        """Ends generation with finish reason length once `seconds` (0: no limit) have passed since it started."""
+        self._time_limit = seconds
+
+    def close(self):
+        try:
+            self._gen.close()       # runs the generator's `finally` if it had started
+        finally:
+            self._cleanup()         # ... and this covers a generator that never started
+
+    def _events(self):
+        try:
+            if not (yield from self._wait_turn()):
+                return
+            self.started_at = time.monotonic()
+            echo = (yield from self._prompt_echo()) if self._echo else None
+            if self._runs == self._n:
+                for i in range(self._n):
+                    if not (yield from self._choice(i, echo, last=i == self._n - 1)):
+                        return
+            else:
+                yield from self._best_of(echo)
+        except ApiError:
+            raise
+        except Exception as e:
+            log.exception("generation failed [request %s]", self.request_id)
+            raise EngineError(f"The server had an error while generating (request id {self.request_id})") from e
+        finally:
+            self._cleanup()
+
+    def _best_of(self, echo):
+        # NOTE(best_of): every run is buffered, then the n with the best cumulative logprob are
+        # sent, renumbered; usage counts all runs (they were all generated).
+        runs = []
+        for i in range(self._runs):
+            events = []
+            for event in self._choice(i, echo, last=False):
+                if isinstance(event, KeepAlive):
+                    yield event
+                else:
+                    events.append(event)
+            if not events or not isinstance(events[-1], Finished):
+                return          # cancelled
+            runs.append(events)
+        skip = 1 if echo is not None else 0         # the echoed prompt is the same in every run
+        best = sorted(range(len(runs)), key=lambda r: -_cumulative_logprob(runs[r], skip))[:self._n]
+        for index, r in enumerate(best):
+            for event in runs[r]:
+                if isinstance(event, TextDelta):
+                    yield TextDelta(event.text, event.logprobs if self._report else None, index)
+                else:
+                    yield Finished(event.reason, self.usage, event.stop_string, index, index == self._n - 1)
+
+    def _prompt_echo(self):
+        """The echoed prompt: its text and, with logprobs, its tokens' logprobs (the first is None)."""
+        text = self._echo_text if self._echo_text is not None else self._engine.decode(self._ids)
+        if self._params.logprobs is None:
+            return TextDelta(text)
+        scored = yield from self._await(compute.submit(self._engine.score, self._ids, self._params.logprobs))
+        return TextDelta(text, [self._entry(t, lp, top) for t, (lp, top) in zip(self._ids, scored)])
+
+    def _constraint(self):
+        if self._grammar is not None:       # NOTE(thinking): a grammar governs the whole reply
+            return self._grammar.start()
+        if self._thinking_budget and hasattr(self._engine, "thinking_budget"):
+            return self._engine.thinking_budget(self._thinking_budget, self._ids)
+        return None
+
+    def _choice(self, i, echo, last):
+        """One choice's events; returns False when the run was cancelled."""
+        params = self._params
+        params = dataclasses.replace(
+            params, seed=None if params.seed is None else (params.seed + i) % 2 ** 64,
+            constraint=self._constraint())
+        if echo is not None:
+            yield TextDelta(echo.text, echo.logprobs if self._report else None, i)
+        if params.max_new_tokens == 0:
+            self._account(0, 0)
+            yield Finished(FinishReason.LENGTH, self.usage, None, i, last)
+            return True
+        self._completion_tokens, self._lp_pending = 0, []
+        self._steps = yield from self._await(compute.submit(
+            self._engine.generate, self._ids, params, should_stop=self._cancel.is_set))
+        while True:
+            event = yield from self._await(compute.submit(next, self._steps, None))
+            if event is None:
+                return False
+            for out in self._translate(event, i, last):
+                self._quiet_since = time.monotonic()
+                yield out
+            if isinstance(event, Finish):
+                return event.reason != FinishReason.CANCELLED
+            if self._out_of_time():
+                yield self._end_for_time(i, last)
+                return True
+            if time.monotonic() - self._quiet_since >= self._keepalive:
+                # NOTE(keepalive): many quick prefill chunks (or held-back tokens) are silent too.
+                self._quiet_since = time.monotonic()
+                yield KeepAlive("running")
+
+    def _out_of_time(self):
+        return bool(self._time_limit) and time.monotonic() - self.started_at >= self._time_limit
+
+    def _end_for_time(self, i, last):
+        # NOTE(time-limit): text the engine still holds back (a possible stop string) is dropped.
+        steps, self._steps = self._steps, None
+        compute.run(steps.close)
+        self.time_limited, self.finish_reason = True, FinishReason.LENGTH
+        self._account(self._completion_tokens, 0)
+        return Finished(FinishReason.LENGTH, self.usage, None, i, last)
+
+    def _wait_turn(self):
+        while not self._ticket.wait(self._keepalive):
+            if self._ticket.left:
+                return False
+            self._quiet_since = time.monotonic()
+            yield KeepAlive("queued")
+        return not self._cancel.cancelled
+
+    def _await(self, fut):
+        self._pending = fut
+        while True:
+            try:
+                result = fut.result(timeout=self._keepalive)
+            except TimeoutError:
+                if fut.done():      # NOTE(race): finished just as the wait timed out
+                    result = fut.result()
+                    self._pending = None
+                    return result
+                self._quiet_since = time.monotonic()
+                yield KeepAlive("running")
+                continue
+            self._pending = None
+            return result
+
+    def _translate(self, event, i, last):
+        if isinstance(event, Token):
+            self._completion_tokens += 1
+            if event.logprob is not None:
+                self._lp_pending.append(self._entry(event.id, event.logprob, event.top_logprobs))
+            if event.text:
+                self.first_token_at = self.first_token_at or time.monotonic()
+                yield TextDelta(event.text, self._take_logprobs(), i)
+        elif isinstance(event, Finish):
+            self.finish_reason = event.reason
+            if event.reason == FinishReason.CANCELLED:
+                return
+            if event.text or self._lp_pending or (self._report and not self._completion_tokens):
+                yield TextDelta(event.text, self._take_logprobs(), i)   # logprobs: [] when nothing came
+            self._account(event.completion_tokens or self._completion_tokens, event.cached_tokens)
+            yield Finished(event.reason, self.usage, event.stop_string, i, last)
+        elif not isinstance(event, Prefill):
+            raise TypeError(f"unexpected engine event {event!r}")
+
+    def _take_logprobs(self):
+        if self._params.logprobs is None:
+            return None
+        out, self._lp_pending = self._lp_pending, []
+        return out
+
+    def _account(self, completion_tokens, cached_tokens):
+        if self.usage is None:
+            self.usage = Usage(len(self._ids), completion_tokens, cached_tokens)
+        else:
+            self.usage = Usage(self.usage.prompt_tokens, self.usage.completion_tokens + completion_tokens,
+                               self.usage.cached_tokens)
+
+    def _entry(self, token_id, logprob, top):
+        tokenizer = self._engine.tokenizer
+        text, data = _token_text(tokenizer, token_id)
+        width = 0 if tokenizer.is_special(token_id) else sum(1 for b in data if b & 0xC0 != 0x80)
+        return TokenLogprob(text, data, logprob, [(*_token_text(tokenizer, t), lp) for t, lp in top or ()], width)
+
+    def _cleanup(self):
+        if self._cleaned:
+            return
+        self._cleaned = True
+        self._cancel.cancel("closed")       # a step still running stops at its next check
+        try:
+            if self._pending is not None:
+                self._pending.exception()   # wait for the step in flight; its result no longer matters
+            if self._steps is not None:
+                compute.run(self._steps.close)
+        except Exception:
+            log.exception("closing the engine generator failed [request %s]", self.request_id)
+        finally:
+            self._ticket.release()
+            self.finished_at = time.monotonic()
+            for fn in self._on_close:
+                fn()
+
+
+def _token_text(tokenizer, token_id):
+    """(text, bytes) of one token for logprobs: special tokens by name, invalid UTF-8 as \\x escapes."""
+    data = tokenizer.token_bytes(token_id)
+    if tokenizer.is_special(token_id) or not data:
+        return tokenizer.id_to_piece(token_id) or "", data
+    return data.decode("utf-8", "backslashreplace"), data
+
+
+def _cumulative_logprob(events, skip):
+    deltas = [e for e in events if isinstance(e, TextDelta)][skip:]
+    return sum(t.logprob for d in deltas for t in d.logprobs or () if t.logprob is not None)
