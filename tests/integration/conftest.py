@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from ops_servers import nginx_conf
+
 REPO = Path(__file__).resolve().parents[2]
 MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 START_TIMEOUT = 180.0
@@ -94,10 +96,7 @@ class Nginx:
         self.prefix = Path(workdir) / "nginx"
         (self.prefix / "logs").mkdir(parents=True, exist_ok=True)
         conf = self.prefix / "nginx.conf"
-        # NOTE(nginx-user): as root, workers would drop to `nobody`, who cannot enter pytest's 0700 tmp.
-        user = "user root;" if os.geteuid() == 0 else ""
-        conf.write_text(NGINX_CONF.format(prefix=self.prefix, port=self.port, upstream=upstream_port,
-                                          user=user))
+        conf.write_text(nginx_conf(self.prefix, NGINX_PROXY.format(port=self.port, upstream=upstream_port)))
         self.proc = subprocess.Popen([binary, "-p", str(self.prefix), "-c", str(conf)],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                      start_new_session=True)
@@ -116,20 +115,7 @@ class Nginx:
         _stop(self.proc, timeout=5)
 
 
-NGINX_CONF = """
-daemon off;
-{user}
-worker_processes 1;
-pid {prefix}/nginx.pid;
-error_log {prefix}/logs/error.log warn;
-events {{ worker_connections 64; }}
-http {{
-    access_log {prefix}/logs/access.log;
-    client_body_temp_path {prefix}/client_body;
-    proxy_temp_path {prefix}/proxy;
-    fastcgi_temp_path {prefix}/fastcgi;
-    uwsgi_temp_path {prefix}/uwsgi;
-    scgi_temp_path {prefix}/scgi;
+NGINX_PROXY = """
     upstream turbospark {{ server 127.0.0.1:{upstream}; keepalive 16; }}
     server {{
         listen 127.0.0.1:{port};
@@ -144,9 +130,7 @@ http {{
             proxy_send_timeout 3600s;
             client_max_body_size 16m;
         }}
-    }}
-}}
-"""
+    }}"""
 
 
 def _status(port, path):

@@ -138,13 +138,20 @@ def replica_conf(template, prefix, port, upstream_ports):
     kept = [line for line in upstream if line.strip() and not line.strip().startswith(("server ", "#"))]
     body = body[:start] + "\n".join(kept[:1] + [servers] + kept[1:]) + "\n" + body[end:]
     body = body.replace("listen 80;", f"listen 127.0.0.1:{port};")
+    return nginx_conf(prefix, body, connections=256)
+
+
+def nginx_conf(prefix, http_body, connections=64):
+    """A runnable nginx.conf with every file under `prefix`: foreground, its own pid, logs and temp
+    paths, `http_body` inside the http block."""
+    # NOTE(nginx-user): as root, workers would drop to `nobody`, who cannot enter pytest's 0700 tmp.
     user = "user root;" if os.geteuid() == 0 else ""
     return f"""daemon off;
 {user}
 worker_processes 1;
 pid {prefix}/nginx.pid;
 error_log {prefix}/logs/error.log warn;
-events {{ worker_connections 256; }}
+events {{ worker_connections {connections}; }}
 http {{
     access_log {prefix}/logs/access.log;
     client_body_temp_path {prefix}/client_body;
@@ -152,6 +159,6 @@ http {{
     fastcgi_temp_path {prefix}/fastcgi;
     uwsgi_temp_path {prefix}/uwsgi;
     scgi_temp_path {prefix}/scgi;
-{body}
+{http_body}
 }}
 """
