@@ -86,3 +86,24 @@ def test_chunked_bodies_are_read_and_limited(make_harness):
     assert status == 413 and body["error"]["code"] == "request_too_large"
     status, body = call_chunked(app, b"")
     assert status == 400
+
+
+CHAT = {"messages": [{"role": "user", "content": "hi"}]}
+MESSAGES = {"max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]}
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/chat/completions", {**CHAT, "logit_bias": {"1" * 5000: 1}}, "logit_bias"),    # was a 500
+    ("/v1/chat/completions", {**CHAT, "logit_bias": {"\u0663": 1}}, "logit_bias"),     # a non-ASCII digit
+    ("/v1/chat/completions", {**CHAT, "logit_bias": {str(i): 1 for i in range(2000)}}, "logit_bias"),
+    ("/v1/chat/completions", {**CHAT, "temperature": 1e308 * 10}, None),              # Infinity: not JSON
+    ("/v1/messages", {**MESSAGES, "top_k": True}, "top_k"),
+    ("/v1/messages", {**MESSAGES, "stream": "yes"}, "stream"),
+])
+def test_chat_and_messages_refuse_what_completions_refuses(harness, path, body, param):
+    harness.engine("fake", reply="ok", max_context=512)
+    headers = {"x-api-key": "k", "anthropic-version": "2023-06-01"} if path == "/v1/messages" else {}
+    r = harness.client().post(path, json.dumps(body), content_type="application/json", headers=headers,
+                              status=400)
+    error = r.json["error"]
+    assert error["type"] == "invalid_request_error" and error.get("param", param) == param

@@ -1,7 +1,7 @@
-"""Field checkers for the chat and messages schemas; each failure names its `param`."""
+"""Field checkers for the chat and messages schemas; each failure names its `param`. Numbers, booleans
+and logit_bias are common.py's checks, so every API refuses the same values."""
 from ..errors import InvalidRequest
-
-_MISSING = object()
+from . import common
 
 
 def fail(param, message):
@@ -15,15 +15,11 @@ def require(doc, key, param=None):
 
 
 def number(doc, key, lo=None, hi=None, default=None, integer=False):
-    value = doc.get(key)
-    if value is None:
-        return default
-    kind = "an integer" if integer else "a number"
-    if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)):
-        fail(key, f"'{key}' must be {kind}, got {type(value).__name__}.")
-    if (lo is not None and value < lo) or (hi is not None and value > hi):
-        fail(key, f"'{key}' must be between {lo} and {hi}, got {value}.")
-    return value
+    """An optional number (or integer) in [lo, hi]: common.opt_number / opt_int, which also refuse
+    non-finite and out-of-range values."""
+    if integer:
+        return common.opt_int(doc, key, default, lo, hi)
+    return common.opt_number(doc, key, default, lo, hi)
 
 
 def integer(doc, key, lo=None, hi=None, default=None):
@@ -31,12 +27,7 @@ def integer(doc, key, lo=None, hi=None, default=None):
 
 
 def boolean(doc, key, default=False):
-    value = doc.get(key)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        fail(key, f"'{key}' must be a boolean.")
-    return value
+    return common.opt_bool(doc, key, default)
 
 
 def typed(value, kind, param, what):
@@ -59,15 +50,4 @@ def stop_list(doc, key, max_items=16):
 
 
 def logit_bias(doc, key="logit_bias"):
-    value = doc.get(key)
-    if value is None:
-        return {}
-    typed(value, dict, key, "an object mapping token ids to biases")
-    out = {}
-    for token, bias in value.items():
-        if not str(token).isdigit() or isinstance(bias, bool) or not isinstance(bias, (int, float)):
-            fail(key, f"'{key}' maps token ids (digits) to numbers.")
-        if not -100 <= bias <= 100:
-            fail(key, f"'{key}' biases must be between -100 and 100.")
-        out[int(token)] = float(bias)
-    return out
+    return common.logit_bias(doc, key)
