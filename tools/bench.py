@@ -22,14 +22,14 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from turbospark_wsgi.engine.loader import load_model  # noqa: E402
+from turbospark_wsgi.pull import default_model_path  # noqa: E402
 
-DEFAULT_MODEL = os.path.join(os.environ.get("TURBOSPARK_MODELS", "~/.cache/turbospark/models"),
-                             "SmolLM2-135M-Instruct.Q4_1.gguf")
+DEFAULT_MODEL = str(default_model_path())
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default=os.path.expanduser(DEFAULT_MODEL))
+    p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--device", default="auto")
     p.add_argument("--prompt-tokens", type=int, default=512)

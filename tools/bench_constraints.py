@@ -18,9 +18,9 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from turbospark_wsgi.engine import SamplingParams, Token, load_engine  # noqa: E402
+from turbospark_wsgi.pull import default_model_path  # noqa: E402
 
-DEFAULT_MODEL = os.path.join(os.environ.get("TURBOSPARK_MODELS", "~/.cache/turbospark/models"),
-                             "SmolLM2-135M-Instruct.Q4_1.gguf")
+DEFAULT_MODEL = str(default_model_path())
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "tags", "address"], "properties": {
     "name": {"type": "string", "maxLength": 40}, "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}},
     "address": {"type": "object", "properties": {"city": {"type": "string"}, "zip": {"type": "string",
@@ -30,7 +30,7 @@ GRAMMAR = {"grammars": [{"json_schema": {**SCHEMA, "x-guidance": {"whitespace_fl
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default=os.path.expanduser(DEFAULT_MODEL))
+    p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--device", default="cpu")

@@ -23,18 +23,19 @@ import time
 from dataclasses import dataclass
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import bench_http_load as load  # noqa: E402
 from bench_http_report import OURS, THEIRS, build_report, format_info, format_table, to_json  # noqa: E402
 from bench_http_servers import LlamaCppServer, OurServer  # noqa: E402
+from turbospark_wsgi.pull import default_model_path  # noqa: E402
 
-DEFAULT_MODEL = os.path.join(os.environ.get("TURBOSPARK_MODELS", "~/.cache/turbospark/models"),
-                             "SmolLM2-135M-Instruct.Q4_1.gguf")
+DEFAULT_MODEL = str(default_model_path())
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default=os.path.expanduser(DEFAULT_MODEL))
+    p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--llama-python", default="/opt/llamacpp-venv/bin/python")
     p.add_argument("--python", default=sys.executable, help="python that runs this server's gunicorn")

@@ -25,6 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 _T0 = time.perf_counter()
 from turbospark_wsgi.engine import kernels_cpu, quant  # noqa: E402
+from turbospark_wsgi.pull import default_model_path  # noqa: E402
 
 IMPORT_S = time.perf_counter() - _T0
 
@@ -33,8 +34,7 @@ SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (5
 LAYER_SHAPES = ("qkv", "o", "gate_up", "down")
 N_LAYER = 30
 TYPE_IDS = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14}
-DEFAULT_MODEL = os.path.join(os.path.expanduser(os.environ.get("TURBOSPARK_MODELS", "~/.cache/turbospark/models")),
-                             "SmolLM2-135M-Instruct.Q4_1.gguf")
+DEFAULT_MODEL = str(default_model_path())
 
 
 def random_raw(qtype, shape, rng):

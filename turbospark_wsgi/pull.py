@@ -62,6 +62,11 @@ def target_path(name, models_dir):
     return Path(models_dir) / source.filename if source else None
 
 
+def default_model_path():
+    """Where `turbospark pull` places the default model (what the benchmarks measure by default)."""
+    return target_path(DEFAULT_MODEL, default_models_dir())
+
+
 def pull(name, models_dir, progress=True):
     """Make model `name` available and return its path.
 
