@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from ops_servers import nginx_conf
+from ops_servers import nginx_conf, request as http_request
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -69,7 +69,7 @@ class Gunicorn:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"gunicorn exited with {self.proc.returncode}:\n{self.tail()}")
-            if _status(self.port, "/health") == 200:
+            if http_request(self.port, "GET", "/health", timeout=5)[0] == 200:
                 return self
             time.sleep(0.25)
         raise RuntimeError(f"gunicorn not healthy after {START_TIMEOUT:.0f} s:\n{self.tail()}")
@@ -106,7 +106,7 @@ class Nginx:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"nginx exited: {self.proc.stderr.read().decode(errors='replace')}")
-            if _status(self.port, "/health") == 200:
+            if http_request(self.port, "GET", "/health", timeout=5)[0] == 200:
                 return self
             time.sleep(0.1)
         raise RuntimeError("nginx did not answer /health")
@@ -131,19 +131,6 @@ NGINX_PROXY = """
             client_max_body_size 16m;
         }}
     }}"""
-
-
-def _status(port, path):
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
-    try:
-        conn.request("GET", path)
-        resp = conn.getresponse()
-        resp.read()
-        return resp.status
-    except OSError:
-        return None
-    finally:
-        conn.close()
 
 
 class RawStream:
