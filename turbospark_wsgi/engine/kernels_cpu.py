@@ -184,21 +184,20 @@ class QLinear:
         self.nbytes = w.nbytes
 
     def __rmatmul__(self, x):
-        x = np.asarray(x, dtype=np.float32)
-        lead = x.shape[:-1]
-        if not AVAILABLE:
-            return quant.matmul_ref(x.reshape(-1, self.w.k), self.w).reshape(*lead, self.w.n)
-        y = qmatmul(x.reshape(-1, self.w.k), self.w, threads=self.threads)
-        return y.reshape(*lead, self.w.n)
+        return self._matmul(x, "auto")
 
     def matmul_gemm(self, x):
         """x @ W.T on the dequantize-and-GEMM path whatever the row count (prefill: the same path
         for every chunk, so a row's bits do not depend on the chunk's size)."""
+        return self._matmul(x, "blas")
+
+    def _matmul(self, x, path):
         x = np.asarray(x, dtype=np.float32)
+        lead = x.shape[:-1]
         if not AVAILABLE:
-            return self.__rmatmul__(x)
-        y = qmatmul(x.reshape(-1, self.w.k), self.w, threads=self.threads, path="blas")
-        return y.reshape(*x.shape[:-1], self.w.n)
+            return quant.matmul_ref(x.reshape(-1, self.w.k), self.w).reshape(*lead, self.w.n)
+        y = qmatmul(x.reshape(-1, self.w.k), self.w, threads=self.threads, path=path)
+        return y.reshape(*lead, self.w.n)
 
 
 class QEmbedding:
