@@ -44,8 +44,18 @@ def test_block_attention_rows_do_not_depend_on_the_rows_beside_them(tiny_gguf):
     keys = rng.standard_normal((384, 2, 8)).astype(np.float32)
     vals = rng.standard_normal((384, 2, 8)).astype(np.float32)
     whole = m._block_attention(q, keys, vals, 0)
-    for a, b in [(0, 1), (37, 40), (100, 229), (127, 300), (299, 300)]:
+    cuts = [(0, 1), (37, 40), (100, 229), (127, 300), (299, 300)]
+    if not _blas_rows_exact(q.reshape(2, 600, 8), keys.transpose(1, 2, 0), cuts):
+        pytest.skip("this BLAS gives rows of few-row products other bits (the model's rows_exact "
+                    "probe turns the row-exact prefix reuse off there)")
+    for a, b in cuts:
         assert np.array_equal(m._block_attention(q[a:b], keys, vals, a), whole[a:b]), (a, b)
+
+
+def _blas_rows_exact(x, w, cuts):
+    """Whether model.rows_matmul gives rows a..b of x @ w the bits of the whole product here."""
+    whole = model_mod.rows_matmul(x, w, np)
+    return all(np.array_equal(model_mod.rows_matmul(x[:, a:b], w, np), whole[:, a:b]) for a, b in cuts)
 
 
 def test_rope_rotates_halves_by_position_angles():
@@ -86,15 +96,19 @@ def test_cache_prefix_reuse_equals_fresh_run(tiny_gguf):
     m = load_model(tiny_gguf().path).model
     a, b, c = [5, 70, 9, 33, 120, 7], [44, 45, 46], [99, 100, 3, 4]
     cache = m.new_cache(64)
-    m.forward(a + b, cache, logits="none")
+    m.forward(a + b, cache, logits="none", exact=True)
     cache.truncate(len(a))
-    reused = m.forward(c, cache, logits="all")
-    fresh = m.forward(a + c, m.new_cache(64), logits="all")[len(a):]
-    assert np.array_equal(reused, fresh)
+    reused = m.forward(c, cache, logits="all", exact=True)
+    fresh = m.forward(a + c, m.new_cache(64), logits="all", exact=True)[len(a):]
     assert cache.length == len(a + c)
+    assert np.abs(reused - fresh).max() < 1e-5
     cache.reset()
     assert cache.length == 0
-    assert np.array_equal(m.forward(a + c, cache, logits="all")[len(a):], fresh)
+    again = m.forward(a + c, cache, logits="all", exact=True)[len(a):]
+    assert np.array_equal(again, fresh)                 # same call shapes: same bits on any BLAS
+    if not m.rows_exact:
+        pytest.skip("this BLAS gives rows of few-row products other bits: the server reuses whole chunks")
+    assert np.array_equal(reused, fresh)
 
 
 def test_cache_bounds():
