@@ -1,6 +1,7 @@
 """Config, registry and the service seam, on the fake engine."""
 import json
 import os
+import struct
 import threading
 import time
 
@@ -10,6 +11,7 @@ from turbospark_wsgi import compute
 from turbospark_wsgi.cancel import CancelToken
 from turbospark_wsgi.config import Config, ConfigError
 from turbospark_wsgi.engine import SamplingParams
+from turbospark_wsgi.registry import Registry
 from turbospark_wsgi.errors import (ContextLengthExceeded, EngineError, InvalidRequest, ModelLoadError,
                                     ModelNotFound, Overloaded)
 from turbospark_wsgi.service import Finished, GenerationRequest, KeepAlive, TextDelta, collect
@@ -61,13 +63,42 @@ def test_registry_lists_files_dirs_and_aliases(harness):
     assert not infos["fake"].loaded and infos["fake"].created > 0
 
 
-def test_registry_resolves_once_by_id_alias_case_and_path(harness):
+def test_registry_resolves_once_by_id_alias_case_and_the_configured_default_path(harness):
+    default = str(harness.root / "fake.gguf")       # the operator may name the default by its path
+    registry = Registry(Config(models_dir=str(harness.root), model=default, load_default=False), harness.load)
     (harness.root / "aliases.json").write_text(json.dumps({"tiny": "fake"}))
-    first = harness.registry.resolve("fake")
-    assert harness.registry.resolve("tiny") is first and harness.registry.resolve("FAKE") is first
-    assert harness.registry.resolve(str(harness.root / "fake.gguf")) is first
-    assert harness.registry.resolve(None) is first and len(harness.loads) == 1
-    assert harness.registry.loaded("fake") is first
+    first = registry.resolve("fake")
+    assert registry.resolve("tiny") is first and registry.resolve("FAKE") is first
+    assert registry.resolve(default) is first and registry.resolve(None) is first and len(harness.loads) == 1
+    assert registry.loaded("fake") is first
+
+
+def _hostile_model_names(root, outside):
+    inside = str(root / "fake.gguf")
+    return [inside, str(root / "other.gguf"), str(root / "fake"), str(root) + "//fake.gguf", "./fake.gguf",
+            "fake.gguf", "../" + root.name + "/fake.gguf", outside, os.path.dirname(outside),
+            "/etc/passwd", "../../etc/passwd", "/proc/self/environ", "//etc//passwd", "/etc/", "/nonexistent.gguf",
+            "~/" + os.path.basename(outside), "file://" + inside, inside + "\x00", " fake", "fake ", "fake/"]
+
+
+def test_a_request_can_name_only_installed_models_never_a_path(harness, tmp_path_factory):
+    outside = tmp_path_factory.mktemp("elsewhere") / "other.gguf"
+    outside.write_bytes(b"GGUF")
+    for name in _hostile_model_names(harness.root, str(outside)):
+        with pytest.raises(ModelNotFound) as e:
+            harness.registry.resolve(name)
+        assert e.value.message == f"The model '{name}' does not exist or is not installed", name
+    assert harness.loads == []
+
+
+def test_a_path_model_gets_the_same_404_whether_or_not_the_file_exists(harness):
+    client = harness.client()
+    bodies = []
+    for name in ("/etc/passwd", "/etc/no-such-file", "../../etc/passwd", "../../etc/no-such-file"):
+        r = client.post_json("/v1/completions", {"model": name, "prompt": "hi"}, expect_errors=True)
+        assert r.status_int == 404 and r.json["error"]["code"] == "model_not_found"
+        bodies.append(r.json["error"]["message"].replace(name, "NAME"))
+    assert len(set(bodies)) == 1 and harness.loads == []
 
 
 def test_registry_loads_on_the_compute_thread_once_under_concurrency(harness):
@@ -99,6 +130,32 @@ def test_registry_unknown_and_broken_models(harness):
             harness.registry.resolve("broken")
         assert "broken" in e.value.message and "Q3_XX" in e.value.message
     assert harness.loads.count(os.path.realpath(harness.root / "broken.gguf")) == 1   # failure remembered
+    (harness.root / "aliases.json").write_text(json.dumps({"shaky": "broken.gguf"}))
+    with pytest.raises(ModelLoadError) as e:                # each caller sees its own name
+        harness.registry.resolve("shaky")
+    assert e.value.message.startswith("The model 'shaky' could not be loaded") and "'broken'" not in e.value.message
+
+
+@pytest.mark.parametrize("error", [OSError(13, "Permission denied"), FileNotFoundError(2, "No such file", "X"),
+                                   ValueError("corrupt GGUF at X"), struct.error("X"),
+                                   MemoryError(), RecursionError("X")])
+def test_a_failed_load_is_a_load_error_that_names_no_path(harness, error):
+    path = os.path.realpath(harness.root / "fake.gguf")
+
+    def failing(p, **kw):
+        harness.loads.append(p)
+        for arg in range(len(error.args)):
+            if error.args[arg] == "X" or (isinstance(error.args[arg], str) and "X" in error.args[arg]):
+                error.args = tuple(a.replace("X", p) if isinstance(a, str) else a for a in error.args)
+        raise error
+
+    harness.registry._loader = failing
+    for _ in range(2):
+        with pytest.raises(ModelLoadError) as e:
+            harness.registry.resolve("fake")
+        assert e.value.code == "model_load_failed" and "'fake'" in e.value.message
+        assert path not in e.value.message and str(harness.root) not in e.value.message
+    assert harness.loads == [path]
 
 
 def test_a_bare_word_is_never_a_file_in_the_cwd(harness, tmp_path, monkeypatch):

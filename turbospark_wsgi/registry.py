@@ -83,7 +83,12 @@ class Registry:
         return infos
 
     def find(self, name):
-        """The file or directory for an id, alias or local path; None when unknown."""
+        """The file or directory for an installed id or alias (any case), or for the exact string the
+        operator configured as the default model (which may be a path); None otherwise.
+
+        NOTE(paths): a name from a request is looked up, never joined onto a path or opened: a
+        request can reach only what the operator put in the models directory (symlinks and alias
+        targets included) or named as the default, and an unknown name says nothing about files."""
         installed = self._installed()
         if name in installed:
             return installed[name]
@@ -93,7 +98,7 @@ class Registry:
         folded = {k.casefold(): v for k, v in installed.items()}
         if name.casefold() in folded:
             return folded[name.casefold()]
-        return name if _is_model_path(name) else None
+        return name if name == self.default_name and _is_model_path(name) else None
 
     def loaded(self, name=None):
         """The engine for `name` (default: the default model) if it is loaded, else None."""
@@ -139,7 +144,7 @@ class Registry:
             mtime = _mtime(key)
             failed = self._failures.get(key)
             if failed and failed[0] == mtime:
-                raise ModelLoadError(failed[1])
+                raise ModelLoadError(_load_failed(name, failed[1]))
             nbytes = estimate_bytes(key)
             self._make_room(name, nbytes)
             engine = self._load_engine(name, key, mtime)
@@ -155,11 +160,15 @@ class Registry:
             engine = compute.run(self._load_fn(), key, device=self._config.device, name=model_id,
                                  max_context=self._config.max_context, prefill_chunk=self._config.prefill_chunk,
                                  max_batch=self._config.max_batch)
-        except (ValueError, OSError, ImportError, KeyError) as e:
-            self._failures[key] = (mtime, f"The model '{name}' could not be loaded: {e}")
-            log.error("loading %s failed: %s", key, e)
+        except Exception as e:     # noqa: BLE001 - any failure to load a file is that model's failure
+            if isinstance(e, (ValueError, OSError, ImportError, KeyError)):
+                log.error("loading %s failed: %s", key, e)
+            else:
+                log.exception("loading %s failed unexpectedly", key)
+            # NOTE(fault): remembered per file and mtime, so a bad file is not parsed again per request
+            self._failures[key] = (mtime, _problem(e, key))
             metrics.record_model_load(model_id, False, time.monotonic() - started)
-            raise ModelLoadError(self._failures[key][1]) from e
+            raise ModelLoadError(_load_failed(name, self._failures[key][1])) from e
         log.info("loaded %s from %s (backend %s)", name, key, getattr(engine, "backend", "?"))
         metrics.record_model_load(model_id, True, time.monotonic() - started)
         return engine
@@ -250,6 +259,24 @@ def estimate_bytes(path):
         total += sum(os.path.getsize(os.path.join(root, f)) for f in files
                      if f.endswith((".safetensors", ".bin", ".gguf")))
     return total
+
+
+def _problem(error, path):
+    """What went wrong loading `path`, for clients: no file system paths, whichever exception said it."""
+    if isinstance(error, OSError):
+        text = error.strerror or type(error).__name__
+    elif isinstance(error, (ValueError, ImportError, KeyError)):
+        text = str(error)
+    else:
+        text = f"the file could not be read ({type(error).__name__})"
+    for place, shown in ((path, os.path.basename(path)), (os.path.dirname(path), "<models>")):
+        if len(place) > 1:
+            text = text.replace(place, shown)
+    return text
+
+
+def _load_failed(name, problem):
+    return f"The model '{name}' could not be loaded: {problem}"
 
 
 def _is_model_path(name):
