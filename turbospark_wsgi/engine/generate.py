@@ -5,6 +5,8 @@ sequence has waiting; when it has none, it runs one step for every active sequen
 chunk for the oldest sequence still prefilling, and one batched decode step for all the others.
 So requests that arrive while others decode join the running batch at the next step.
 """
+import numpy as np
+
 from .events import Finish, FinishReason, Prefill, Token
 from .model import SMALL_WINDOW
 from .sampling import Sampler
@@ -103,6 +105,8 @@ class Sequence:
 
     def accept(self, logits):
         """Samples from this step's logits: a Token, or the end of the run."""
+        if not np.isfinite(logits.max()):       # NaN or +inf anywhere (max propagates NaN)
+            raise FloatingPointError("the model's logits for this sequence are not finite")
         token, logprob, top = self.sampler(logits)
         if token in self.end_ids:
             return self._end(FinishReason.STOP)
@@ -117,6 +121,12 @@ class Sequence:
 
     def cancel(self):
         self._finish(FinishReason.CANCELLED)
+
+    def fail(self, error):
+        """Ends this sequence with `error` (raised to its reader by Scheduler.poll); its cache
+        may hold a half-run step, so it is forgotten."""
+        self.error, self.state, self.pending = error, _DONE, None
+        self.slot.forget()
 
     def _end(self, reason):
         # held-back text goes out at the end, unless the flushed bytes complete a stop string
@@ -182,7 +192,7 @@ class Scheduler:
         prefilling = [s for s in self.active if s.state == _PREFILL]
         try:
             if prefilling:
-                prefilling[0].prefill_chunk(self.model)
+                _isolated(prefilling[0], prefilling[0].prefill_chunk, self.model)
             if decoding:
                 self._decode(decoding)
         except Exception as e:
@@ -204,12 +214,22 @@ class Scheduler:
         logits = self.model.decode_batch(tokens, [s.slot.cache for s in seqs])   # [B, vocab]
         for seq, token, row in zip(seqs, tokens, logits):
             seq.slot.ids.append(token)
-            seq.accept(row)
+            _isolated(seq, seq.accept, row)
 
     def _fail(self, error):
-        # NOTE(fault): a failed step leaves every cache it touched unknown: forget them all and
-        # fail every running sequence with the same error.
+        # NOTE(fault): only the shared batched product gets here; it leaves every cache it
+        # touched unknown: forget them all and fail every running sequence with the same error.
         for seq in self.active:
             seq.error, seq.state, seq.pending = error, _DONE, None
         for slot in self.slots:
             slot.forget()
+
+
+def _isolated(seq, work, *args):
+    """Runs one sequence's own part of a step (its prefill chunk, or sampling, constraint,
+    detokenizing and stop strings for its row). NOTE(fault): a failure there is that
+    sequence's alone: it ends with the error and its neighbours in the batch go on."""
+    try:
+        work(*args)
+    except Exception as e:     # noqa: BLE001 - whatever it was, it ends this sequence only
+        seq.fail(e)

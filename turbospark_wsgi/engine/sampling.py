@@ -13,7 +13,7 @@ import numpy as np
 @dataclass(slots=True)
 class SamplingParams:
     max_new_tokens: int = 16
-    temperature: float = 1.0            # 0 = argmax
+    temperature: float = 1.0            # 0 (or below GREEDY_BELOW) = argmax
     top_k: int = 0                      # 0 = off
     top_p: float = 1.0                  # 1 = off
     min_p: float = 0.0                  # 0 = off
@@ -27,6 +27,11 @@ class SamplingParams:
     stop_token_ids: tuple = ()          # extra ids that end the run (besides the model's eos/end-of-turn)
     ignore_eos: bool = False
     constraint: object = None           # engine.constraints.Constraint or ThinkingBudget (allowed_mask/advance/is_done) or None
+
+
+GREEDY_BELOW = 1e-6     # a temperature this small is argmax in all but float noise, and dividing by a
+                        # subnormal one (5e-324) overflows the logits to inf, then NaN
+FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 def log_softmax(logits):
@@ -82,16 +87,19 @@ class Sampler:
         if p.repetition_penalty != 1.0 and self.seen:
             ids = np.fromiter(self.seen, dtype=np.int64)
             v = x[ids]
-            x[ids] = np.where(v > 0, v / p.repetition_penalty, v * p.repetition_penalty)
+            with np.errstate(over="ignore", under="ignore", divide="ignore"):
+                x[ids] = np.where(v > 0, v / p.repetition_penalty, v * p.repetition_penalty)
         if (p.presence_penalty or p.frequency_penalty) and self.counts:
             ids = np.fromiter(self.counts.keys(), dtype=np.int64)
             n = np.fromiter(self.counts.values(), dtype=np.float32)
             x[ids] -= p.presence_penalty + p.frequency_penalty * n
-        return x
+        # NOTE(fault): extreme-but-accepted penalties (a repetition penalty of 1e-40 divides a logit
+        # into float32 overflow) saturate instead of turning the step's logits into inf and NaN
+        return np.clip(x, -FLOAT32_MAX, FLOAT32_MAX, out=x)
 
     def _choose(self, x):
         p = self.params
-        if p.temperature <= 0:
+        if p.temperature < GREEDY_BELOW:
             return int(np.argmax(x))
         ids, probs = candidates(x, p.temperature, p.top_k, p.top_p, p.min_p)
         cum = np.cumsum(probs)
