@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass, field
 
 from . import compute
-from .engine import Finish, FinishReason, Prefill, Token
+from .engine import Finish, FinishReason, Prefill, Scores, Token
 from .errors import ApiError, EngineError
 
 log = logging.getLogger("turbospark.service")
@@ -151,6 +151,8 @@ class Generation:
                 return
             self.started_at = time.monotonic()
             echo = (yield from self._prompt_echo()) if self._echo else None
+            if self._echo and echo is None:
+                return          # cancelled while scoring the prompt
             if self._runs == self._n:
                 for i in range(self._n):
                     if not (yield from self._choice(i, echo, last=i == self._n - 1)):
@@ -189,11 +191,25 @@ class Generation:
                     yield Finished(event.reason, self.usage, event.stop_string, index, index == self._n - 1)
 
     def _prompt_echo(self):
-        """The echoed prompt: its text and, with logprobs, its tokens' logprobs (the first is None)."""
+        """The echoed prompt: its text and, with logprobs, its tokens' logprobs (the first is None);
+        None when cancelled. NOTE(score): scoring runs chunk by chunk among the other runs' steps,
+        like a prefill, so it neither stalls them nor outlives its client by more than a chunk."""
         text = self._echo_text if self._echo_text is not None else self._engine.decode(self._ids)
         if self._params.logprobs is None:
             return TextDelta(text)
-        scored = yield from self._await(compute.submit(self._engine.score, self._ids, self._params.logprobs))
+        scored = []
+        self._steps = yield from self._await(compute.submit(
+            self._engine.score, self._ids, self._params.logprobs, should_stop=self._cancel.is_set))
+        while True:
+            event = yield from self._await(compute.submit(next, self._steps, None))
+            if event is None or isinstance(event, Finish) and event.reason == FinishReason.CANCELLED:
+                return None
+            if isinstance(event, Finish):
+                break
+            scored += event.entries if isinstance(event, Scores) else []
+            yield from self._keep_alive()
+        steps, self._steps = self._steps, None
+        compute.run(steps.close)
         return TextDelta(text, [self._entry(t, lp, top) for t, (lp, top) in zip(self._ids, scored)])
 
     def _constraint(self):
@@ -230,10 +246,13 @@ class Generation:
             if self._out_of_time():
                 yield self._end_for_time(i, last)
                 return True
-            if time.monotonic() - self._quiet_since >= self._keepalive:
-                # NOTE(keepalive): many quick prefill chunks (or held-back tokens) are silent too.
-                self._quiet_since = time.monotonic()
-                yield KeepAlive("running")
+            yield from self._keep_alive()
+
+    def _keep_alive(self):
+        if time.monotonic() - self._quiet_since >= self._keepalive:
+            # NOTE(keepalive): many quick prefill chunks (or held-back tokens) are silent too.
+            self._quiet_since = time.monotonic()
+            yield KeepAlive("running")
 
     def _out_of_time(self):
         return bool(self._time_limit) and time.monotonic() - self.started_at >= self._time_limit

@@ -8,10 +8,10 @@
 Each `next()` on the generator does at most one prefill chunk or one decode step, so a caller may
 drive it one step at a time from a compute thread. One generation at a time per Engine.
 """
-from .events import Finish, FinishReason, Prefill, Token
+from .events import Finish, FinishReason, Prefill, Scores, Token
 from .sampling import SamplingParams
 
-__all__ = ["Engine", "load_engine", "SamplingParams", "FinishReason", "Prefill", "Token", "Finish"]
+__all__ = ["Engine", "load_engine", "SamplingParams", "FinishReason", "Prefill", "Scores", "Token", "Finish"]
 
 
 def __getattr__(name):  # keep `import turbospark_wsgi.engine` cheap: numpy/tokenizers load on first use

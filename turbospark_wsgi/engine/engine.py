@@ -6,7 +6,6 @@ from .constraints import ConstraintCompiler, ThinkingBudget
 from .events import Finish
 from .generate import Scheduler
 from .loader import load_model
-from .sampling import log_softmax, top_n
 from .tokenizer import Tokenizer
 
 DEFAULT_PREFILL_CHUNK = 128
@@ -78,7 +77,17 @@ class Engine:
         return self._run(prompt_ids, params, should_stop)
 
     def _run(self, prompt_ids, params, should_stop):
-        seq = self.scheduler.add(prompt_ids, params, should_stop)
+        return self._events(self.scheduler.add(prompt_ids, params, should_stop))
+
+    def score(self, prompt_ids, top=0, should_stop=None):
+        """Events that score the prompt: Prefill progress and Scores (the log-probability of every
+        prompt token given the ones before it, the first None), then Finish. Like `generate`, one
+        `next()` runs at most one step, shared with the other runs, and `should_stop` cancels it."""
+        prompt_ids = [int(t) for t in prompt_ids]
+        self._check_prompt(prompt_ids)
+        return self._events(self.scheduler.add_scoring(prompt_ids, top, should_stop))
+
+    def _events(self, seq):
         try:
             while True:
                 for event in self.scheduler.poll(seq):
@@ -87,27 +96,6 @@ class Engine:
                         return
         finally:
             self.scheduler.release(seq)
-
-    def score(self, prompt_ids, top=0):
-        """Log-probability of every prompt token given the ones before it (the first is None)."""
-        prompt_ids = [int(t) for t in prompt_ids]
-        self._check_prompt(prompt_ids)
-        slot = self.scheduler.acquire(prompt_ids)
-        try:
-            slot.forget()
-            out = [(None, [])]
-            while len(slot.ids) < len(prompt_ids):
-                start = len(slot.ids)
-                piece, rows = slot.pieces(prompt_ids, self.prefill_chunk)
-                lp = log_softmax(slot.prefill(self.model, piece, "all", rows))   # [T, V]
-                for row, nxt in zip(lp, prompt_ids[start + 1:start + len(piece) + 1]):
-                    out.append((float(row[nxt]), top_n(row, top)))
-            return out
-        except BaseException:
-            slot.forget()
-            raise
-        finally:
-            slot.busy = False
 
     def _check_prompt(self, ids):
         if not ids:

@@ -30,3 +30,9 @@ class Finish:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0   # prompt tokens whose KV came from the prefix cache
+
+
+@dataclass(slots=True)
+class Scores:
+    entries: list            # [(logprob, [(token_id, logprob)] top)] for prompt tokens, in order;
+                             # the prompt's first token has (None, [])

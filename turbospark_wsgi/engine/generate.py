@@ -7,9 +7,9 @@ So requests that arrive while others decode join the running batch at the next s
 """
 import numpy as np
 
-from .events import Finish, FinishReason, Prefill, Token
+from .events import Finish, FinishReason, Prefill, Scores, Token
 from .model import SMALL_WINDOW
-from .sampling import Sampler
+from .sampling import Sampler, SamplingParams, log_softmax, top_n
 from .stops import StopMatcher
 
 _PREFILL, _DECODE, _DONE = "prefill", "decode", "done"
@@ -140,6 +140,28 @@ class Sequence:
         self.events.append(Finish(reason, text, stop_string, len(self.prompt), self.completion, self.cached))
 
 
+class Scoring(Sequence):
+    """A prompt scored, not continued: each chunk's rows give the log-probability of the next
+    prompt token (with the `top` best), sent as a Scores event; it runs its chunks among the
+    other sequences' steps, like any prefill, and ends after the last one."""
+
+    def __init__(self, slot, tokenizer, prompt, top, should_stop, chunk, max_context):
+        super().__init__(slot, tokenizer, prompt, SamplingParams(max_new_tokens=0), should_stop, chunk, max_context)
+        slot.forget()               # NOTE(score): every position's logits are needed: nothing is reused
+        self.cached, self.top = 0, top
+        self.events = [Prefill(0, len(prompt)), Scores([(None, [])])]
+
+    def prefill_chunk(self, model):
+        start = len(self.slot.ids)
+        piece, rows = self.slot.pieces(self.prompt, self.chunk)
+        lp = log_softmax(self.slot.prefill(model, piece, "all", rows))             # [T, V]
+        nxt = self.prompt[start + 1:start + len(piece) + 1]
+        self.events += [Prefill(len(self.slot.ids), len(self.prompt)),
+                        Scores([(float(row[t]), top_n(row, self.top)) for row, t in zip(lp, nxt)])]
+        if len(self.slot.ids) == len(self.prompt):
+            self._finish(FinishReason.LENGTH)
+
+
 class Scheduler:
     """Up to `max_batch` sequences at once, each in its own slot; slots keep their K/V afterwards
     so a new prompt goes to the free slot holding its longest reusable prefix."""
@@ -153,6 +175,11 @@ class Scheduler:
     def add(self, prompt, params, should_stop=None):
         seq = Sequence(self.acquire(prompt), self.tokenizer, prompt, params, should_stop,
                        self.chunk, self.max_context)
+        self.active.append(seq)
+        return seq
+
+    def add_scoring(self, prompt, top, should_stop=None):
+        seq = Scoring(self.acquire(prompt), self.tokenizer, prompt, top, should_stop, self.chunk, self.max_context)
         self.active.append(seq)
         return seq
 
