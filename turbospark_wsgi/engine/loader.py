@@ -29,24 +29,44 @@ class LoadedModel:
 
 def load_model(path, device="auto", weights=None):
     """Loads a .gguf file or a Hugging Face model directory onto the backend chosen for `device`
-    ("auto" | "cpu" | "cuda"). Unsupported architectures, tensor types and missing tensors raise
-    ValueError naming them; a missing path raises FileNotFoundError. `weights` ("auto" | "quant" |
-    "fp32", default TURBOSPARK_WEIGHTS or auto): auto keeps GGUF matrices quantized on the CPU when
-    the block kernels are available, float32 otherwise."""
+    ("auto" | "cpu" | "cuda"). Unsupported architectures, tensor types, missing tensors and corrupt
+    files raise ValueError naming them; a missing path raises FileNotFoundError. No message holds a
+    directory path: they reach clients. `weights` ("auto" | "quant" | "fp32", default
+    TURBOSPARK_WEIGHTS or auto): auto keeps GGUF matrices quantized on the CPU when the block
+    kernels are available, float32 otherwise."""
     path = os.fspath(path)
+    try:
+        return _load(path, device, weights)
+    except OSError as e:
+        if e.filename is None:
+            raise
+        raise _without_path(e) from e
+
+
+def _load(path, device, weights):
     if not os.path.exists(path):
-        raise FileNotFoundError(f"no model at {path}")
+        raise FileNotFoundError(f"no model file or directory named {os.path.basename(path)!r}")
     backend = select_backend(device)
     if os.path.isdir(path):
         kind, metadata, cfg, source = "hf", *_open_hf(path)
     else:
         kind, metadata, cfg, source = "gguf", *_open_gguf(path)
+    _check_shapes(cfg, source, kind)
     if _quantized(weights, kind, backend.name):
         tensors = load_quantized_weights(cfg, source)
     else:
         tensors = load_weights(cfg, source, kind, backend.xp)
     model = Transformer(cfg, tensors, backend.xp)
     return LoadedModel(cfg, model, metadata, kind, path, backend.name, backend.reason)
+
+
+def _without_path(e):
+    """The same OSError naming only the file's base name: open() puts the whole path in its message."""
+    text = f"{e.strerror or 'cannot read'}: {os.path.basename(os.fspath(e.filename))!r}"
+    try:
+        return type(e)(e.errno, text) if e.errno is not None else type(e)(text)
+    except TypeError:   # an OSError subclass with its own constructor
+        return OSError(e.errno, text)
 
 
 def _quantized(choice, kind, backend):
@@ -69,14 +89,49 @@ def _open_gguf(path):
 
 
 def _open_hf(directory):
-    metadata = {name: _read_json(os.path.join(directory, name + ".json")) for name in HF_JSON_FILES}
+    metadata = {name: _read_json(directory, name + ".json") for name in HF_JSON_FILES}
     if metadata["config"] is None:
-        raise FileNotFoundError(f"{directory} has no config.json")
+        raise FileNotFoundError("the model directory has no config.json")
     return metadata, model_config_from_hf(metadata["config"]), SafetensorsDir(directory)
 
 
-def _read_json(path):
+def _read_json(directory, name):
+    """A JSON object from `directory`/`name`, None when the file is absent."""
+    path = os.path.join(directory, name)
     if not os.path.exists(path):
         return None
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f)
+    except ValueError as e:   # bad JSON or bad UTF-8
+        raise ValueError(f"{name} is not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{name} is not a JSON object")
+    return value
+
+
+def _check_shapes(cfg, source, kind):
+    """Every tensor the model uses has the shape its config implies, checked before any is read,
+    so a corrupt dimension or config value is a clear error rather than a failed reshape or a
+    huge allocation later. A missing layer tensor is named at once (the layer count may be corrupt)."""
+    q, kv = cfg.n_head * cfg.head_dim, cfg.n_kv_head * cfg.head_dim
+    model = {"tok_embd": (cfg.vocab_size, cfg.dim), "head": (cfg.vocab_size, cfg.dim), "norm": (cfg.dim,),
+             "rope_freqs": (cfg.rope_dim // 2,)}
+    layer = {"attn_norm": (cfg.dim,), "wq": (q, cfg.dim), "wk": (kv, cfg.dim), "wv": (kv, cfg.dim),
+             "wo": (cfg.dim, q), "ffn_norm": (cfg.dim,), "w_gate": (cfg.ffn_dim, cfg.dim),
+             "w_up": (cfg.ffn_dim, cfg.dim), "w_down": (cfg.dim, cfg.ffn_dim)}
+    for ours, want in model.items():
+        _check_shape(source, tensor_name(ours, kind), want, required=False)
+    for i in range(cfg.n_layer):
+        for ours, want in layer.items():
+            _check_shape(source, tensor_name(ours, kind, i), want, required=True, layer=i)
+
+
+def _check_shape(source, name, want, required, layer=None):
+    if name is None or name not in source.names:
+        if required:
+            raise ValueError(f"model file lacks tensor {name!r} (layer {layer})")
+        return   # optional, or named by weights.fetch when it is needed
+    got = tuple(source.shape(name))
+    if got != want:
+        raise ValueError(f"tensor {name!r} has shape {got}, the model's config implies {want}")

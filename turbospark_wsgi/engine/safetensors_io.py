@@ -1,16 +1,22 @@
 """Hugging Face model directories: safetensors tensors (JSON header + memory map) and config.json."""
 import json
+import math
 import os
 import struct
 
 import numpy as np
 
 from .config import ModelConfig
-from .gguf import widen_bf16
+from .gguf import short_repr, widen_bf16
 
 _DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}
+# every dtype the safetensors format defines -> bytes per element: enough to check a tensor's extent
+_ITEM_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E8M0": 1, "I16": 2, "U16": 2,
+               "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
 _ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama"}
 INDEX_FILE = "model.safetensors.index.json"
+MAX_HEADER_BYTES = 100 * 2 ** 20   # the safetensors format's own limit
+MAX_DIMS = 8
 
 
 class SafetensorsFormatError(ValueError):
@@ -18,34 +24,71 @@ class SafetensorsFormatError(ValueError):
 
 
 class SafetensorsFile:
-    """One .safetensors file: the tensor table from its JSON header, data memory-mapped."""
+    """One .safetensors file: the tensor table from its JSON header, data memory-mapped. The header
+    is checked against the file's size before it is read, and every entry before any is used.
+    Messages name the file by its base name only (they may reach clients)."""
 
     def __init__(self, path):
         self.path = str(path)
-        size = os.path.getsize(self.path)
+        self.name = os.path.basename(self.path)
         with open(self.path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
             head = f.read(8)
             if len(head) != 8:
-                raise SafetensorsFormatError(f"{self.path}: truncated safetensors file (no header)")
+                raise self._error("truncated safetensors file (no header)")
             n = struct.unpack("<Q", head)[0]
+            if n > min(size - 8, MAX_HEADER_BYTES):
+                raise self._error(f"corrupt safetensors file: header length {n} runs past the end of the "
+                                  f"file (size {size}) or over {MAX_HEADER_BYTES} bytes")
             raw = f.read(n)
         if len(raw) != n:
-            raise SafetensorsFormatError(f"{self.path}: truncated safetensors file (header ends early)")
+            raise self._error("truncated safetensors file (header ends early)")
         try:
             header = json.loads(raw)
         except ValueError as exc:
-            raise SafetensorsFormatError(f"{self.path}: bad safetensors header ({exc})") from None
+            raise self._error(f"bad safetensors header ({exc})") from None
+        if not isinstance(header, dict):
+            raise self._error("corrupt safetensors file: the header is not a JSON object")
         header.pop("__metadata__", None)
         self.data_start = 8 + n
-        self.tensors = header
         for name, entry in header.items():
-            if self.data_start + entry["data_offsets"][1] > size:
-                raise SafetensorsFormatError(f"{self.path}: truncated safetensors file (tensor {name!r})")
+            self._check(name, entry, size - self.data_start)
+        self.tensors = header
         self._map = None
+
+    def _error(self, message):
+        return SafetensorsFormatError(f"{self.name}: {message}")
+
+    def _check(self, name, entry, data_bytes):
+        """One header entry: a known dtype, a shape of whole elements and offsets inside the data
+        that hold exactly that shape."""
+        tensor = f"tensor {short_repr(name)}"
+        if not isinstance(entry, dict):
+            raise self._error(f"corrupt safetensors file: {tensor} is {short_repr(entry)}, not an object")
+        dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+        if not isinstance(dtype, str) or dtype not in _ITEM_BYTES:
+            raise self._error(f"corrupt safetensors file: {tensor} has unknown dtype {short_repr(dtype)}")
+        if not (isinstance(shape, list) and len(shape) <= MAX_DIMS and all(_natural(d) for d in shape)):
+            raise self._error(f"corrupt safetensors file: {tensor} has shape {short_repr(shape)}")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(_natural(o) for o in offsets)
+                and offsets[0] <= offsets[1]):
+            raise self._error(f"corrupt safetensors file: {tensor} has data_offsets {short_repr(offsets)}")
+        if offsets[1] > data_bytes:
+            raise self._error(f"truncated safetensors file: {tensor} data ends at {offsets[1]}, past the end "
+                              f"of the {data_bytes} data bytes")
+        count = 1
+        for d in shape:
+            count *= d
+        if count * _ITEM_BYTES[dtype] != offsets[1] - offsets[0]:
+            raise self._error(f"corrupt safetensors file: {tensor} of shape {shape} and dtype {dtype} does not "
+                              f"fit its {offsets[1] - offsets[0]} bytes")
 
     @property
     def names(self):
         return self.tensors.keys()
+
+    def shape(self, name):
+        return tuple(self.tensors[name]["shape"])
 
     def tensor(self, name):
         """The tensor as a new float32 array (F32, F16 or BF16 stored)."""
@@ -62,6 +105,10 @@ class SafetensorsFile:
         return np.array(data, dtype=np.float32)
 
 
+def _natural(value):
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
 class SafetensorsDir:
     """All tensors of a Hugging Face directory: one model.safetensors, or shards named by the index."""
 
@@ -69,13 +116,11 @@ class SafetensorsDir:
         self.directory = str(directory)
         index = os.path.join(self.directory, INDEX_FILE)
         if os.path.exists(index):
-            with open(index, encoding="utf-8") as f:
-                weight_map = json.load(f)["weight_map"]
-            files = sorted(set(weight_map.values()))
+            files = _shards(index)
         else:
             files = sorted(n for n in os.listdir(self.directory) if n.endswith(".safetensors"))
             if not files:
-                raise FileNotFoundError(f"no *.safetensors files in {self.directory}")
+                raise FileNotFoundError("the model directory has no *.safetensors files")
         self._files = [SafetensorsFile(os.path.join(self.directory, n)) for n in files]
         self._where = {name: f for f in self._files for name in f.names}
 
@@ -83,40 +128,99 @@ class SafetensorsDir:
     def names(self):
         return self._where.keys()
 
+    def shape(self, name):
+        return self._where[name].shape(name)
+
     def tensor(self, name):
         return self._where[name].tensor(name)
 
 
+def _shards(index):
+    """The shard file names an index lists: plain names inside the model directory, each present."""
+    try:
+        with open(index, encoding="utf-8") as f:
+            weight_map = json.load(f)["weight_map"]
+        files = sorted(set(weight_map.values()))
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ValueError(f"{INDEX_FILE} lacks a weight_map of tensor names to files "
+                         f"({type(exc).__name__}: {short_repr(str(exc))})") from None
+    directory = os.path.dirname(index)
+    for name in files:
+        if not isinstance(name, str) or name in ("", ".", "..") or os.path.basename(name) != name \
+                or "\\" in name:
+            raise ValueError(f"{INDEX_FILE} names shard {short_repr(name)}, which is not a file in the "
+                             "model directory")
+        if not os.path.isfile(os.path.join(directory, name)):
+            raise FileNotFoundError(f"{INDEX_FILE} names shard {name!r}, which is missing")
+    return files
+
+
 def model_config_from_hf(config):
-    """A ModelConfig from a parsed config.json (Llama and Mistral causal LMs)."""
+    """A ModelConfig from a parsed config.json (Llama and Mistral causal LMs). An unsupported
+    architecture, a missing key or a value that cannot describe a model raises ValueError naming it."""
     archs = config.get("architectures") or [config.get("model_type", "?")]
+    if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+        raise ValueError(f"config.json architectures must be a list of names, not {short_repr(archs)}")
     arch = next((_ARCHITECTURES[a] for a in archs if a in _ARCHITECTURES), None)
     if arch is None:
-        raise ValueError(f"unsupported model architecture {archs[0]!r} (supported: {', '.join(_ARCHITECTURES)})")
-    for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size"):
-        if k not in config:
-            raise ValueError(f"config.json lacks required key {k!r}")
-    rope = dict(config.get("rope_parameters") or {})   # transformers >= 5 keeps theta and scaling here
-    rope.update(config.get("rope_scaling") or {})
-    n_head = config["num_attention_heads"]
-    max_seq = config.get("max_position_embeddings", 2048)
+        raise ValueError(f"unsupported model architecture {short_repr(archs[0])} "
+                         f"(supported: {', '.join(_ARCHITECTURES)})")
+
+    def count(k, default=KeyError, least=1):
+        value = config.get(k)
+        if value is None:
+            if default is KeyError:
+                raise ValueError(f"config.json lacks required key {k!r}")
+            return default
+        if not isinstance(value, int) or isinstance(value, bool) or value < least:
+            raise ValueError(f"config.json {k!r} must be an integer of at least {least}, not {short_repr(value)}")
+        return value
+
+    def number(where, k, default, least=0.0):
+        value = where.get(k, default)
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not least <= value < math.inf:
+            raise ValueError(f"config.json {k!r} must be a number of at least {least}, not {short_repr(value)}")
+        return float(value)
+
+    rope = {}
+    for k in ("rope_parameters", "rope_scaling"):   # transformers >= 5 keeps theta and scaling in the first
+        part = config.get(k) or {}
+        if not isinstance(part, dict):
+            raise ValueError(f"config.json {k!r} must be an object, not {short_repr(part)}")
+        rope.update(part)
+    n_layer, dim, n_head = count("num_hidden_layers"), count("hidden_size"), count("num_attention_heads")
+    ffn_dim, vocab = count("intermediate_size"), count("vocab_size")
+    n_kv_head = count("num_key_value_heads", 0, least=0) or n_head
+    if n_head % n_kv_head:
+        raise ValueError(f"config.json num_key_value_heads {n_kv_head} does not divide "
+                         f"num_attention_heads {n_head}")
+    max_seq = count("max_position_embeddings", 2048)
     if config.get("sliding_window"):
         # NOTE(window): attention here is global; capping the context at the window keeps it exact
-        max_seq = min(max_seq, config["sliding_window"])
+        max_seq = min(max_seq, count("sliding_window"))
+    head_dim = count("head_dim", 0, least=0)
+    name = config.get("_name_or_path", "")
     return ModelConfig(
-        arch=arch, n_layer=config["num_hidden_layers"], dim=config["hidden_size"], n_head=n_head,
-        n_kv_head=config.get("num_key_value_heads") or n_head, ffn_dim=config["intermediate_size"],
-        vocab_size=config["vocab_size"], max_seq_len=max_seq,
-        rope_theta=float(rope.get("rope_theta", config.get("rope_theta", 10000.0))),
-        norm_eps=float(config.get("rms_norm_eps", 1e-6)), head_dim=config.get("head_dim") or 0,
+        arch=arch, n_layer=n_layer, dim=dim, n_head=n_head, n_kv_head=n_kv_head, ffn_dim=ffn_dim,
+        vocab_size=vocab, max_seq_len=max_seq,
+        rope_theta=number(rope, "rope_theta", number(config, "rope_theta", 10000.0, 1e-9), 1e-9),
+        norm_eps=number(config, "rms_norm_eps", 1e-6), head_dim=head_dim,
         rope_scaling=_hf_rope_scaling(rope), tied_embeddings=bool(config.get("tie_word_embeddings", False)),
-        name=config.get("_name_or_path", ""))
+        name=name if isinstance(name, str) else "")
 
 
 def _hf_rope_scaling(rope):
     kind = rope.get("rope_type", rope.get("type", "default"))
+    if not isinstance(kind, str):
+        raise ValueError(f"config.json rope_type must be a name, not {short_repr(kind)}")
     if kind == "default":
         return {}
     scaling = {k: v for k, v in rope.items() if k not in ("rope_type", "type", "rope_theta")}
+    for k in _ROPE_NUMBERS.intersection(scaling):
+        if not isinstance(scaling[k], (int, float)) or isinstance(scaling[k], bool):
+            raise ValueError(f"config.json rope scaling {k!r} must be a number, not {short_repr(scaling[k])}")
     scaling["type"] = kind
     return scaling
+
+
+_ROPE_NUMBERS = {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}
