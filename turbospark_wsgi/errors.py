@@ -8,12 +8,22 @@ class ApiError(Exception):
     code = None
 
     def __init__(self, message, *, param=None, code=None, headers=None):
+        message = encodable(message)
         super().__init__(message)
         self.message = message
-        self.param = param
+        self.param = encodable(param) if param is not None else None
         if code is not None:
             self.code = code
         self.headers = dict(headers or {})
+
+
+def encodable(text):
+    """`text` as a str that always encodes as UTF-8: error messages quote client text, and a lone
+    surrogate in it would make the error body itself fail to encode (an empty 500)."""
+    text = str(text)
+    if text.isascii():
+        return text
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 class InvalidRequest(ApiError):

@@ -119,4 +119,4 @@ def test_a_schema_the_grammar_engine_cannot_compile_is_400(app):
         "type": "object", "properties": {"a": {"$ref": "#/definitions/missing"}}}}}
     r = app.post_json("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
                                                "response_format": fmt}, status=400)
-    assert r.json["error"]["param"] == "response_format" and "missing" in r.json["error"]["message"]
+    assert r.json["error"]["param"] == "response_format.json_schema.schema" and "missing" in r.json["error"]["message"]

@@ -25,13 +25,31 @@ class ConstraintCompiler:
         self._lock = threading.Lock()
 
     def compile(self, grammar):
-        """A `Grammar` for the spec (a dict or its JSON text); ValueError when it cannot compile."""
+        """A `Grammar` for the spec (a dict or its JSON text); ValueError when it cannot compile.
+
+        Every failure is a ValueError (the caller's 400), whatever raised it: client schemas can
+        be deep, odd or huge. A grammar that fails at its very first step fails here, not in the
+        middle of a batch."""
+        tokenizer = self.ll_tokenizer()
+        try:
+            spec = grammar if isinstance(grammar, str) else json.dumps(grammar)
+            compiled = Grammar(self._matcher(tokenizer, spec), self._vocab)
+            compiled.start().allowed_mask()
+        except Exception as e:                      # RecursionError, TypeError, llguidance's own
+            raise ValueError(_short(e)) from None
+        except BaseException as e:
+            if type(e).__name__ != "PanicException":    # NOTE(pyo3): a Rust panic is a BaseException
+                raise
+            raise ValueError(f"the grammar compiler failed: {_short(e)}") from None
+        return compiled
+
+    @staticmethod
+    def _matcher(tokenizer, spec):
         import llguidance
-        spec = grammar if isinstance(grammar, str) else json.dumps(grammar)
-        matcher = llguidance.LLMatcher(self.ll_tokenizer(), spec, log_level=0)
+        matcher = llguidance.LLMatcher(tokenizer, spec, log_level=0, limits=_limits())
         if matcher.is_error():
-            raise ValueError(_short(matcher.get_error()))
-        return Grammar(matcher, self._vocab)
+            raise ValueError(matcher.get_error())
+        return matcher
 
     def ll_tokenizer(self):
         # NOTE(llg-tokenizer): building it walks the whole vocabulary (~0.1-1 s): once per engine.
@@ -119,6 +137,14 @@ class ThinkingBudget:
 
     def is_done(self):
         return False
+
+
+def _limits():
+    """llguidance's resource limits, its defaults except where a client schema could hold the
+    compute thread for seconds: the lexer's build budget (the default lets 10,000 patterned
+    properties compile for ~5 s) and the terse errors (the verbose ones dump parser state)."""
+    import llguidance
+    return llguidance.LLParserLimits(initial_lexer_fuel=200_000, verbose_errors=False)
 
 
 def _last(ids, seq):

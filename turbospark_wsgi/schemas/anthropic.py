@@ -6,6 +6,7 @@ from ..engine import SamplingParams
 from . import checks
 from .chat_messages import function_spec
 from .checks import fail
+from .document import encodable_value
 
 
 @dataclass(slots=True)
@@ -201,6 +202,7 @@ def tool_input(arguments):
     (max_tokens) give an empty object."""
     try:
         value = json.loads(arguments or "{}")
-    except ValueError:
+        value = encodable_value(value)        # NOTE(output): the model may write a "\ud800" escape
+    except (ValueError, RecursionError):
         return {}
     return value if isinstance(value, dict) else {"value": value}

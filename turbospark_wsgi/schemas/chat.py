@@ -127,5 +127,5 @@ def generation_request(chat, plan):
         include_usage=getattr(chat, "include_usage", False), assistant_prefix=plan.assistant_prefix,
         prompt_param="messages", n=getattr(chat, "n", 1), logprobs=getattr(chat, "logprobs", None),
         grammar=tool_grammar or getattr(chat, "grammar", None),
-        grammar_param="tool_choice" if tool_grammar else "response_format",
+        grammar_param="tools" if tool_grammar else "response_format",   # the schemas the grammar is built from
         thinking_budget=getattr(chat, "thinking_budget", None))

@@ -6,6 +6,7 @@ The specs are plain dicts; the service compiles them against the model's tokeniz
 import json
 
 from .checks import fail
+from .json_schema import check_schema
 
 # NOTE(whitespace): one fixed style (", " and ": ", no newlines) keeps a small model from wandering
 # into endless whitespace, which flexible JSON whitespace allows.
@@ -29,6 +30,7 @@ def response_format_grammar(value):
     schema = spec.get("schema", {})
     if not isinstance(schema, dict):
         fail("response_format.json_schema.schema", "'response_format.json_schema.schema' must be a JSON Schema object.")
+    check_schema(schema, "response_format.json_schema.schema")
     return json_grammar(schema)
 
 

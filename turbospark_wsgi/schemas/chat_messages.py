@@ -3,6 +3,8 @@ import json
 import re
 
 from .checks import fail, typed
+from .document import check_document
+from .json_schema import check_schema
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 _TOOL_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
@@ -77,14 +79,23 @@ def _history_call(call, param, names):
         fail(f"{param}.function", f"'{param}.function' must be an object with a 'name'.")
     args = fn.get("arguments", "{}")
     if isinstance(args, str):
-        try:
-            args = json.loads(args or "{}")
-        except ValueError:
-            fail(f"{param}.function.arguments", f"'{param}.function.arguments' must be a JSON string.")
+        args = history_arguments(args, f"{param}.function.arguments")
     call_id = call.get("id") if isinstance(call.get("id"), str) else ""
     names[call_id] = fn["name"]
     # NOTE(templates): arguments go to templates as an object (they `tojson` it), as transformers does.
     return {"id": call_id, "type": "function", "function": {"name": fn["name"], "arguments": args}}
+
+
+def history_arguments(text, param):
+    """A past call's arguments given as JSON text, decoded and held to the body's own checks
+    (nesting depth, lone surrogates), since templates render them."""
+    try:
+        args = json.loads(text or "{}")
+    except ValueError:
+        fail(param, f"'{param}' must be a JSON string.")
+    except RecursionError:
+        fail(param, f"'{param}' is nested too deeply.")
+    return check_document(args, param)
 
 
 def _tool_extras(msg, param, out, names):
@@ -124,6 +135,7 @@ def function_spec(fn, param, params_key="parameters"):
         typed(schema, dict, f"{param}.{params_key}", "a JSON Schema object")
         if schema.get("type", "object") != "object":
             fail(f"{param}.{params_key}", f"'{param}.{params_key}' must describe an object (type 'object').")
+        check_schema(schema, f"{param}.{params_key}")
         spec["parameters"] = schema
     return spec
 

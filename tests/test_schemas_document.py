@@ -1,0 +1,109 @@
+"""The whole-body checks (lone surrogates, nesting depth), the JSON Schema checks ($ref cycles,
+x-guidance) and error messages that always encode."""
+import json
+
+import pytest
+
+from turbospark_wsgi.errors import InvalidRequest, ModelNotFound
+from turbospark_wsgi.schemas.anthropic import tool_input
+from turbospark_wsgi.schemas.document import MAX_DEPTH, check_body_text, check_document
+from turbospark_wsgi.schemas.json_schema import check_schema
+
+
+def refused(fn, *args):
+    with pytest.raises(InvalidRequest) as info:
+        fn(*args)
+    return info.value
+
+
+def body(text):
+    return check_body_text(text, json.loads(text))
+
+
+@pytest.mark.parametrize("text, param", [
+    ('{"prompt": "\\ud800"}', "prompt"),
+    ('{"messages": [{"role": "user", "content": "ok"}, {"content": ["a", "b\\udfff"]}]}', "messages[1].content[1]"),
+    ('{"a": {"\\udc00k": 1}}', "a.\\udc00k"),
+    ('{"\\ud800": 1}', "\\ud800"),
+])
+def test_a_lone_surrogate_is_refused_with_its_path(text, param):
+    err = refused(body, text)
+    assert err.param == param and "surrogate" in err.message
+    err.message.encode("utf-8")
+
+
+def test_surrogate_pairs_and_plain_text_pass():
+    doc = body('{"a": "smile \\ud83d\\ude00", "b": ["\\u00e9", "\\\\ud800 is text"]}')
+    assert doc["a"] == "smile \U0001F600" and doc["b"][1] == "\\ud800 is text"
+
+
+def test_depth_is_counted_from_the_body():
+    ok = {"a": json.loads("[" * (MAX_DEPTH - 1) + "]" * (MAX_DEPTH - 1))}
+    assert check_document(ok) is ok
+    err = refused(check_document, {"a": json.loads("[" * MAX_DEPTH + "]" * MAX_DEPTH)})
+    assert err.param == "a" + "[0]" * (MAX_DEPTH - 1) and str(MAX_DEPTH) in err.message
+
+
+def test_a_prefix_names_a_nested_document():
+    err = refused(check_document, {"x": "\ud800"}, "messages[0].tool_calls[0].function.arguments")
+    assert err.param == "messages[0].tool_calls[0].function.arguments.x"
+
+
+def test_the_walk_does_not_recurse():
+    doc = {"a": None}
+    for _ in range(5000):
+        doc = {"a": doc}
+    assert refused(check_document, doc).param.startswith("a.a.a")
+
+
+LIST = {"type": "object", "properties": {"next": {"$ref": "#"}, "value": {"type": "integer"}}}
+
+
+@pytest.mark.parametrize("schema", [
+    LIST,
+    {"type": "object", "properties": {"head": {"$ref": "#/$defs/node"}},
+     "$defs": {"node": {"type": "object", "properties": {"next": {"$ref": "#/$defs/node"}}}}},
+    {"anyOf": [{"$ref": "#"}, {"type": "string"}]},
+    {"type": "array", "items": {"$ref": "#"}},
+    {"$ref": "#/definitions/a~1b", "definitions": {"a/b": {"type": "string"}}},
+    {"$ref": "#/definitions/a%20b", "definitions": {"a b": {"type": "string"}}},
+    {"type": "object", "properties": {"a": {"$ref": "http://elsewhere.test/x"}}},   # the compiler's to refuse
+])
+def test_schemas_that_can_be_generated_pass(schema):
+    check_schema(schema, "p")
+
+
+@pytest.mark.parametrize("schema", [
+    {"$ref": "#"},
+    {"allOf": [{"$ref": "#"}]},
+    {"anyOf": [{"$ref": "#"}]},
+    {"oneOf": [{"$ref": "#"}, {"allOf": [{"$ref": "#"}]}]},
+    {"type": "object", "properties": {"a": {"$ref": "#/definitions/x"}}, "definitions": {"x": {"$ref": "#/definitions/x"}}},
+    {"$ref": "#/$defs/a", "$defs": {"a": {"allOf": [{"$ref": "#/$defs/b"}]}, "b": {"$ref": "#/$defs/a"}}},
+    {"type": "array", "items": [{"type": "string"}, {"$ref": "#/items/1"}]},
+])
+def test_a_schema_that_reaches_itself_with_no_value_between_is_refused(schema):
+    err = refused(check_schema, schema, "tools[0].function.parameters")
+    assert err.param == "tools[0].function.parameters" and "$ref" in err.message
+
+
+@pytest.mark.parametrize("schema", [
+    {"$ref": "#/definitions/missing"},
+    {"$ref": "#/properties/a/0"},
+    {"x-guidance": "loose"},
+    {"x-guidance": None},
+])
+def test_missing_refs_and_junk_options_are_refused(schema):
+    assert refused(check_schema, schema, "response_format.json_schema.schema").param == "response_format.json_schema.schema"
+
+
+def test_error_messages_that_quote_client_text_always_encode():
+    err = ModelNotFound("The model '\ud800' does not exist", param="\udfff")
+    assert err.message == "The model '\\ud800' does not exist" and err.param == "\\udfff"
+    err.message.encode("utf-8")
+
+
+def test_tool_input_survives_what_a_model_can_write():
+    assert tool_input('{"a": "\\ud800"}') == {"a": "?"}
+    assert tool_input('{"a": ' + "[" * 5000 + "]" * 5000 + "}") == {}
+    assert tool_input('{"a": "\\ud83d\\ude00"}') == {"a": "\U0001F600"}
