@@ -9,6 +9,7 @@ import time
 
 from . import metrics
 from .errors import InvalidRequest, PayloadTooLarge, Unauthorized, UnsupportedMediaType
+from .schemas.document import check_body_text
 from .sse import SSEStream
 
 access_log = logging.getLogger("turbospark.access")
@@ -152,7 +153,7 @@ def read_json(req, limit):
     except UnicodeDecodeError as e:
         raise InvalidRequest(f"The request body is not valid UTF-8 (byte {e.start})") from None
     try:
-        return json.loads(text, parse_constant=_refuse_constant)
+        return check_body_text(text, json.loads(text, parse_constant=_refuse_constant))
     except (ValueError, RecursionError) as e:
         raise InvalidRequest(f"Invalid JSON body: {_short(e)}") from None
 
