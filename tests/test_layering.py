@@ -11,7 +11,8 @@ LAYERS = {
     5: ("wsgi", "cli", "__main__"),
     4: ("app", "middleware", "resources"),
     3: ("schemas", "sse", "parsers"),
-    2: ("service", "generation", "queue", "cancel", "errors", "config", "registry", "compute", "pull", "metrics"),
+    2: ("service", "generation", "queue", "cancel", "errors", "config", "registry", "compute", "pull", "metrics",
+        "logsafe"),
     1: ("engine",),
 }
 TOP_LEVEL = {"__init__"}        # turbospark_wsgi/__init__.py: __version__ only

@@ -39,8 +39,9 @@ def create_app(config=None, service=None):
     config = config or Config()
     service = service or Service(config)
     # NOTE(order): CORS answers preflights before auth; its process_response also reaches 401s.
-    app = falcon.App(middleware=[RequestContext(config.replica_id), Cors(config.cors_origins),
-                                 ApiKeyAuth(config.api_keys), BodyLimit(config.max_body)])
+    app = falcon.App(middleware=[RequestContext(config.replica_id, config.body_timeout),
+                                 Cors(config.cors_origins), ApiKeyAuth(config.api_keys),
+                                 BodyLimit(config.max_body)])
     app.req_options.strip_url_path_trailing_slash = True
     json_handler = falcon.media.JSONHandler(dumps=functools.partial(
         json.dumps, ensure_ascii=False, separators=(",", ":")))

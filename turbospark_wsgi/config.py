@@ -26,7 +26,9 @@ class Config:
     (tokens per prefill step), CORS_ORIGINS (comma list or *; empty = no CORS headers),
     MODEL_MEMORY (bytes for loaded models, 0 = no budget), MAX_PROMPT_TOKENS (0 = the context),
     MAX_TOKENS_CAP (0 = none), MAX_GENERATION_SECONDS (0 = none), GRACEFUL_TIMEOUT (s),
-    REPLICA_ID (sent back in `x-turbospark-replica`; default host:pid).
+    REPLICA_ID (sent back in `x-turbospark-replica`; default host:pid), HEADER_TIMEOUT (s from a
+    request's first byte to the end of its headers), BODY_TIMEOUT (s to read a request body; over
+    either: 408).
     """
 
     models_dir: str = os.path.expanduser("~/.cache/turbospark/models")
@@ -52,6 +54,8 @@ class Config:
     max_generation_seconds: float = 0.0
     graceful_timeout: float = 600.0
     replica_id: str = ""
+    header_timeout: float = 10.0
+    body_timeout: float = 10.0
     load_default: bool = field(default=True)   # start loading the default model when the app is built
 
     def __post_init__(self):
@@ -64,6 +68,9 @@ class Config:
             _check_range(name, getattr(self, name), 1)
         for name in ("queue_timeout", "max_generation_seconds", "graceful_timeout"):
             _check_range(name, getattr(self, name), 0)
+        for name in ("header_timeout", "body_timeout"):
+            if not 0 < getattr(self, name) < float("inf"):
+                raise ConfigError(f"{_env(name)} must be > 0 seconds, got {getattr(self, name)!r}")
         if not self.keepalive > 0:
             raise ConfigError(f"keepalive must be > 0 seconds, got {self.keepalive!r}")
         if not self.threads:
@@ -112,7 +119,8 @@ def read_key_file(path):
 _ENV_NAMES = {"models_dir": "MODELS"}
 _INTS = {"max_waiting", "max_body", "max_context", "port", "threads", "prefill_chunk", "max_batch", "model_memory",
          "max_prompt_tokens", "max_tokens_cap"}
-_FLOATS = {"queue_timeout", "keepalive", "max_generation_seconds", "graceful_timeout"}
+_FLOATS = {"queue_timeout", "keepalive", "max_generation_seconds", "graceful_timeout", "header_timeout",
+           "body_timeout"}
 _LISTS = {"api_keys", "cors_origins"}
 
 

@@ -5,9 +5,13 @@ import json
 import logging
 import re
 import secrets
+import socket
+import threading
 import time
 
 from . import metrics
+from .cancel import client_socket
+from .logsafe import escape
 from .errors import InvalidRequest, PayloadTooLarge, Unauthorized, UnsupportedMediaType
 from .schemas.document import check_body_text
 from .sse import SSEStream
@@ -22,16 +26,19 @@ TIME_LIMIT_HEADER = "x-turbospark-time-limited"     # the generation hit TURBOSP
 
 class RequestContext:
     """Gives each request an id (a valid `x-request-id` is kept), echoes it with the replica id,
-    and logs one line (and records its metrics) when the response, or its stream, is done."""
+    and logs one line (and records its metrics) when the response, or its stream, is done.
+    `body_timeout` (s) is what `read_json` allows a body by default."""
 
-    def __init__(self, replica_id=None):
+    def __init__(self, replica_id=None, body_timeout=None):
         self._replica = replica_id
+        self._body_timeout = body_timeout
 
     def process_request(self, req, resp):
         given = req.get_header("x-request-id")
         req.context.request_id = given if given and _REQUEST_ID.fullmatch(given) else new_request_id()
         req.context.started = time.monotonic()
         req.context.generation = None
+        req.context.body_timeout = self._body_timeout
 
     def process_response(self, req, resp, resource, req_succeeded):
         resp.set_header("x-request-id", request_id(req))
@@ -137,15 +144,16 @@ class BodyLimit:
             raise too_large(length, self._limit)
 
 
-def read_json(req, limit):
+def read_json(req, limit, timeout=None):
     """The request body as decoded JSON, read with a size limit (chunked bodies too).
 
-    415 for a non-JSON Content-Type, 413 over `limit`, 400 for an empty, non-UTF-8 or malformed body.
+    415 for a non-JSON Content-Type, 413 over `limit`, 400 for an empty, short, badly framed,
+    non-UTF-8 or malformed body, 408 when it is not all in within `timeout` seconds.
     """
     media = (req.content_type or "").split(";")[0].strip().lower()
     if media and media not in _JSON_TYPES and not media.endswith("+json"):
         raise UnsupportedMediaType(f"Content-Type must be application/json, got '{media}'")
-    raw = _read_body(req, limit)
+    raw = read_body(req, limit, timeout)
     if not raw.strip():
         raise InvalidRequest("The request body is empty; send a JSON object")
     try:
@@ -158,26 +166,88 @@ def read_json(req, limit):
         raise InvalidRequest(f"Invalid JSON body: {_short(e)}") from None
 
 
-def _read_body(req, limit):
+class RequestTimeout(InvalidRequest):
+    status = 408
+    code = "request_timeout"
+
+
+def read_body(req, limit, timeout=None):
+    """The whole body (Content-Length or chunked), within `limit` bytes and `timeout` seconds."""
     length = req.content_length
-    if length is not None:
-        if length > limit:
-            raise too_large(length, limit)
-        return req.bounded_stream.read()
-    if "chunked" not in (req.get_header("Transfer-Encoding") or "").lower():
+    if length is not None and length > limit:
+        raise too_large(length, limit)
+    if length == 0 or length is None and "chunked" not in (req.get_header("Transfer-Encoding") or "").lower():
         return b""
+    timeout = timeout or getattr(req.context, "body_timeout", None)
+    with ReadDeadline(req.env, timeout) as deadline:
+        try:
+            raw = _read_blocks(req.stream, limit + 1 if length is None else length)
+        except Exception as e:
+            # NOTE(framing): the server's reader raises its own types for a bad chunk size, a
+            # missing CRLF or an early EOF (gunicorn.http.errors); every one is the client's doing.
+            if deadline.expired:
+                raise deadline.error() from None
+            detail = _short(e) or type(e).__name__
+            raise InvalidRequest(f"The request body could not be read: {detail}") from None
+        if length is not None and len(raw) < length:
+            if deadline.expired:
+                raise deadline.error()
+            raise InvalidRequest(f"The request body ended after {len(raw)} of its {length} bytes "
+                                 "(Content-Length)")
+    if length is None and len(raw) > limit:
+        raise too_large(len(raw), limit, at_least=True)
+    return raw
+
+
+def _read_blocks(stream, most):
+    """Up to `most` bytes from `stream`, until EOF."""
     # NOTE(chunked): Falcon bounds reads by Content-Length and reads a chunked body as empty; the
     # server de-chunks `wsgi.input`, so read it directly, one block past the limit at most.
     parts, size = [], 0
-    while size <= limit:
-        block = req.stream.read(min(_READ_BLOCK, limit + 1 - size))
+    while size < most:
+        block = stream.read(min(_READ_BLOCK, most - size))
         if not block:
             break
         parts.append(block)
         size += len(block)
-    if size > limit:
-        raise too_large(size, limit, at_least=True)
     return b"".join(parts)
+
+
+class ReadDeadline:
+    """Cuts the read side of the client's socket when a body takes longer than `timeout` seconds.
+
+    A blocked read then ends at once (EOF), however the client trickles its bytes: a per-read
+    socket timeout would restart with every byte. Without a socket in the environ (tests, other
+    servers) it does nothing.
+    """
+
+    def __init__(self, environ, timeout):
+        self._sock = client_socket(environ)
+        self._timeout = timeout
+        self._timer = None
+        self.expired = False
+
+    def __enter__(self):
+        if self._sock is not None and self._timeout:
+            self._timer = threading.Timer(self._timeout, self._cut)
+            self._timer.daemon = True
+            self._timer.start()
+        return self
+
+    def __exit__(self, *exc):
+        if self._timer is not None:
+            self._timer.cancel()
+        return False
+
+    def _cut(self):
+        self.expired = True
+        try:
+            self._sock.shutdown(socket.SHUT_RD)
+        except OSError:
+            pass
+
+    def error(self):
+        return RequestTimeout(f"The request body was not received within {self._timeout:g} seconds")
 
 
 def too_large(size, limit, at_least=False):
@@ -212,10 +282,13 @@ def log_access(req, resp):
     ctx = req.context
     gen = getattr(ctx, "generation", None)
     elapsed = (time.monotonic() - getattr(ctx, "started", time.monotonic())) * 1000
-    fields = [request_id(req), f'"{req.method} {req.path}"', resp.status_code, f"{elapsed:.1f}ms"]
+    # NOTE(log-injection): the method, path and model come from the client; escaped, they cannot
+    # start a line of their own or close the quotes around the request.
+    line = f'"{_quoted(req.method)} {_quoted(req.path)}"'
+    fields = [request_id(req), line, resp.status_code, f"{elapsed:.1f}ms"]
     if gen is not None:
         usage = gen.usage
-        fields += [f"model={gen.model_id}",
+        fields += [f"model={_token(gen.model_id)}",
                    f"prompt_tokens={usage.prompt_tokens if usage else '-'}",
                    f"completion_tokens={usage.completion_tokens if usage else '-'}",
                    f"queue_ms={_ms(gen.enqueued_at, gen.started_at)}",
@@ -223,6 +296,14 @@ def log_access(req, resp):
                    f"finish={gen.finish_reason or '-'}"]
     access_log.info(" ".join(str(f) for f in fields))
     metrics.record_request(req.uri_template, req.method, resp.status_code, elapsed / 1000, gen)
+
+
+def _quoted(text):
+    return escape(text).replace('"', '\\"')
+
+
+def _token(text):
+    return _quoted(text).replace(" ", "\\x20")
 
 
 def _ms(start, end):
