@@ -36,8 +36,9 @@ class Engine:
         cap = self.config.max_seq_len
         self.max_context = min(cap, max_context) if max_context else cap
         self.prefill_chunk = prefill_chunk
-        self.template = ChatTemplate(tokenizer.chat_template, tokenizer.bos_token, tokenizer.eos_token) \
-            if tokenizer.chat_template else ChatTemplate.fallback(tokenizer.bos_token, tokenizer.eos_token)
+        # NOTE(template): no template shipped means ChatML (ChatTemplate's fallback).
+        self.template = ChatTemplate(tokenizer.chat_template, tokenizer.bos_token, tokenizer.eos_token,
+                                     tokenizer.special_tokens)
         self._constraints = ConstraintCompiler(tokenizer, self.config.vocab_size)
         self.max_batch = max_batch
         self.scheduler = Scheduler(self.model, tokenizer, max_batch=max_batch,
@@ -49,14 +50,16 @@ class Engine:
     def decode(self, ids, skip_special=True):
         return self.tokenizer.decode(ids, skip_special=skip_special)
 
-    def render_chat(self, messages, tools=None, add_generation_prompt=True, **kwargs):
-        return self.template.render(messages, tools=tools, add_generation_prompt=add_generation_prompt, **kwargs)
+    def render_chat(self, messages, tools=None, add_generation_prompt=True, template_kwargs=None):
+        return self.template.render_guarded(messages, tools, add_generation_prompt, template_kwargs)[0]
 
-    def apply_chat_template(self, messages, tools=None, add_generation_prompt=True, **kwargs):
+    def apply_chat_template(self, messages, tools=None, add_generation_prompt=True, template_kwargs=None):
+        """Prompt ids of a conversation. Special-token strings in client values (messages, tools,
+        template_kwargs) are tokenized as text: only the template's own markup is control tokens."""
         # NOTE(bos): templates usually emit their own BOS; add one only where the model wants it and
         # the rendered text does not already start with it.
-        text = self.render_chat(messages, tools=tools, add_generation_prompt=add_generation_prompt, **kwargs)
-        return self.tokenizer.encode(text, add_bos=self.tokenizer.add_bos)
+        text, plain = self.template.render_guarded(messages, tools, add_generation_prompt, template_kwargs)
+        return self.tokenizer.encode(text, add_bos=self.tokenizer.add_bos, plain=plain)
 
     def compile_grammar(self, grammar):
         """A compiled grammar (`.start()` -> Constraint for SamplingParams.constraint); ValueError

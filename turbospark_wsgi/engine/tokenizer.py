@@ -1,4 +1,5 @@
 """Tokenizers built from GGUF metadata or a Hugging Face directory, and incremental detokenization."""
+import bisect
 import codecs
 import json
 import logging
@@ -71,7 +72,10 @@ class Tokenizer:
         self.bos_id, self.eos_id, self.add_bos = bos_id, eos_id, bool(add_bos)
         self.chat_template = chat_template or None
         self.vocab_size = vocab_size or backend.get_vocab_size(with_added_tokens=True)
-        self._special = frozenset(i for i, t in backend.get_added_tokens_decoder().items() if t.special)
+        added = sorted(backend.get_added_tokens_decoder().items())
+        self._special = frozenset(i for i, t in added if t.special)
+        self.special_tokens = tuple(t.content for _, t in added if t.special)
+        self._plain = None        # (start, after a control token) backends that leave special strings as text
         self._bytes = {}
         self.stop_ids = self._find_stop_ids(extra_stop_ids)
 
@@ -126,11 +130,47 @@ class Tokenizer:
 
     # ---- encode / decode
 
-    def encode(self, text, add_bos=False):
-        """Token ids of `text`; special-token strings map to their ids. BOS first when asked and known."""
-        ids = self._tk.encode(text, add_special_tokens=False).ids
+    def encode(self, text, add_bos=False, plain=()):
+        """Token ids of `text`; special-token strings map to their ids, except inside the `plain`
+        (start, end) character spans (sorted, disjoint), which are text. BOS first when asked and known."""
+        encoding = self._tk.encode(text, add_special_tokens=False)
+        ids = self._encode_around(text, encoding, plain) if plain else encoding.ids
         if add_bos and self.bos_id is not None and (not ids or ids[0] != self.bos_id):
             ids.insert(0, self.bos_id)
+        return ids
+
+    def _encode_around(self, text, encoding, plain):
+        # NOTE(plain): `tokenizers` cuts the text at every special string and encodes the runs between
+        # them apart. Runs between the control tokens that stay are kept; a run that held a special
+        # string from a plain span is encoded again with special parsing off.
+        starts, ends = [a for a, _ in plain], [b for _, b in plain]
+        ids, run, begin, again = [], [], 0, False
+        for token, (a, b) in zip(encoding.ids, encoding.offsets):
+            if token not in self._special:
+                run.append(token)
+            elif _overlaps(starts, ends, a, b):
+                run.append(token)
+                again = True
+            else:
+                ids += self._as_text(text, begin, a) if again else run
+                ids.append(token)
+                run, begin, again = [], b, False
+        return ids + (self._as_text(text, begin, len(text)) if again else run)
+
+    def _as_text(self, text, start, end):
+        """Ids of text[start:end] with special strings as text, as one run of a whole-text encode."""
+        if self._plain is None:
+            self._plain = _plain_backends(self._tk)
+        at_start, later = self._plain
+        piece = text[start:end]
+        encoding = (later if start else at_start).encode(piece, add_special_tokens=False)
+        ids = []
+        for token, (a, b) in zip(encoding.ids, encoding.offsets):
+            # NOTE(plain): BPE may merge plain text back into a control token; spell it out instead.
+            if token in self._special:
+                ids += [i for ch in piece[a:b] for i in later.encode(ch, add_special_tokens=False).ids]
+            else:
+                ids.append(token)
         return ids
 
     def decode(self, ids, skip_special=True):
@@ -213,6 +253,35 @@ class IncrementalDecoder:
             if text[0] == " ":
                 text = text[1:]
         return text
+
+
+def _overlaps(starts, ends, a, b):
+    """Whether [a, b) meets one of the sorted, disjoint spans (starts[i], ends[i])."""
+    i = bisect.bisect_right(ends, a)
+    return i < len(starts) and starts[i] < b
+
+
+def _plain_backends(backend):
+    """Copies of `backend` that tokenize special-token strings as text: one for a run at the text's
+    start, one for a run after a control token (no SentencePiece "first" prefix space there)."""
+    spec = json.loads(backend.to_str())
+    at_start = _Backend.from_str(json.dumps(spec))
+    later = _Backend.from_str(json.dumps(spec)) if _no_first_prefix(spec.get("pre_tokenizer")) else at_start
+    for b in (at_start, later):
+        b.encode_special_tokens = True      # set once here: encoding threads never toggle it
+    return at_start, later
+
+
+def _no_first_prefix(pre):
+    """Turns Metaspace prepend_scheme "first" into "never" in a pre-tokenizer spec; True if it did."""
+    if not isinstance(pre, dict):
+        return False
+    if pre.get("type") == "Sequence":
+        return any([_no_first_prefix(p) for p in pre.get("pretokenizers", ())])
+    if pre.get("type") == "Metaspace" and pre.get("prepend_scheme") == "first":
+        pre["prepend_scheme"] = "never"
+        return True
+    return False
 
 
 # ---- GGUF builders
