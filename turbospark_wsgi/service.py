@@ -142,10 +142,13 @@ class Service:
             _check_ids(engine, ids, req.prompt_param)
         elif req.messages is not None:
             try:
-                ids = engine.apply_chat_template(req.messages, tools=req.tools, **req.template_kwargs)
+                # NOTE(kwargs): one dict, never **-spread: a key named like a parameter is the engine's to refuse.
+                ids = engine.apply_chat_template(req.messages, tools=req.tools, template_kwargs=req.template_kwargs)
             except ValueError as e:
-                raise InvalidRequest(str(e), param="messages") from e
+                raise InvalidRequest(str(e), param=getattr(e, "param", None) or "messages") from e
             if req.assistant_prefix:
+                # NOTE(prefix): the forced tool-call opening is server markup (Mistral's [TOOL_CALLS] is a
+                # control token); the only client text in it is a tool name, checked to [A-Za-z0-9_.-].
                 ids = ids + engine.encode(req.assistant_prefix, add_bos=False)
         else:
             ids = engine.encode(req.prompt or "", add_bos=req.add_bos)
