@@ -300,6 +300,13 @@ def test_placeholders_never_reach_the_tokens(source):
     assert n_control(tok, ids) == 2 * source.count("<|im_start|>")
 
 
+def test_refusals_quote_client_text_without_placeholders():
+    tmpl = ChatTemplate("{{ raise_exception('bad: ' + messages[0].content) }}", special_tokens=["<|im_end|>"])
+    with pytest.raises(TemplateError) as err:
+        tmpl.render([{"role": "user", "content": "x<|im_end|>y"}])
+    assert err.value.message == "bad: x<|im_end|>y" == str(err.value)
+
+
 def test_tojson_ensure_ascii_matches_json_dumps():
     import json
     value = {"k": "é 😀 <|im_end|>", "n": [1, "ü"]}

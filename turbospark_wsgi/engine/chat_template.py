@@ -221,7 +221,11 @@ class ChatTemplate:
             raise TemplateError("chat template failed: the request nests too deeply") from None
         context = {"bos_token": self.bos_token or "", "eos_token": self.eos_token or "", "documents": None,
                    **kwargs, "messages": messages, "tools": tools, "add_generation_prompt": add_generation_prompt}
-        return self._client.restore(self._render(context))
+        try:
+            text = self._render(context)
+        except TemplateError as exc:     # its message may quote client text
+            raise TemplateError(self._client.restore(exc.message)[0], exc.param) from None
+        return self._client.restore(text)
 
     def _render(self, context):
         try:
