@@ -9,20 +9,26 @@ Shutdown: on SIGTERM a worker stops accepting, answers every queued request at o
 generations finish within graceful_timeout (TURBOSPARK_GRACEFUL_TIMEOUT).
 """
 import glob
+import logging
 import os
+import resource
 import signal
 import threading
 
 from turbospark_wsgi.config import Config
+from turbospark_wsgi.logsafe import EscapeFilter
 
 _config = Config.from_env()
 
 wsgi_app = "turbospark_wsgi.wsgi:app"
 bind = f"{_config.host}:{_config.port}"
-worker_class = _config.worker_class
+# NOTE(slow-clients): gthread and gevent with request heads (and gthread with bodies) buffered off
+# the worker threads and under deadlines: TURBOSPARK_HEADER_TIMEOUT / TURBOSPARK_BODY_TIMEOUT.
+worker_class = {"gthread": "turbospark_wsgi.workers.ThreadWorker",
+                "gevent": "turbospark_wsgi.workers.GeventWorker"}[_config.worker_class]
 workers = 1                                  # one engine, one compute thread and one FIFO per process
 threads = max(_config.threads, _config.max_waiting + 4)
-worker_connections = max(100, threads)       # gevent: concurrent connections per worker
+worker_connections = max(1000, threads)      # open connections per worker: a slow one costs a socket
 timeout = 30                                 # heartbeat only: engine work runs off the request threads
 graceful_timeout = int(_config.graceful_timeout)  # let running generations finish on SIGTERM / reload
 keepalive = 75                               # longer than nginx's upstream keepalive idle timeout
@@ -31,21 +37,40 @@ preload_app = False                          # load the model post-fork: never t
 control_socket_disable = True                # several instances (tests, CI) would fight over one socket
 accesslog = None                             # the app writes one access line per request itself
 loglevel = "info"
+# NOTE(log-injection): every line has its control characters escaped, so no request data can forge
+# one: the app's lines through this handler's filter, gunicorn's own through on_starting's.
 logconfig_dict = {
     "version": 1,
     "disable_existing_loggers": False,
+    "filters": {"escape": {"()": "turbospark_wsgi.logsafe.EscapeFilter"}},
+    "handlers": {"error_console": {"class": "logging.StreamHandler", "formatter": "generic",
+                                   "stream": "ext://sys.stderr", "filters": ["escape"]}},
     "root": {"level": "INFO", "handlers": ["error_console"]},
     "loggers": {"turbospark": {"level": "INFO", "propagate": True}},
 }
 
 
 def on_starting(server):
+    _raise_open_files(worker_connections + 256)
+    # gunicorn's loggers keep handlers of their own (--error-logfile, --access-logfile, which the
+    # dictConfig above would drop if it named them), so the filter goes on the loggers.
+    for name in ("gunicorn.error", "gunicorn.access"):
+        logging.getLogger(name).addFilter(EscapeFilter())
     # NOTE(metrics): samples left by a previous run would be summed into this one's.
     directory = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
     if directory:
         os.makedirs(directory, exist_ok=True)
         for path in glob.glob(os.path.join(directory, "*.db")):
             os.remove(path)
+
+
+def _raise_open_files(wanted):
+    # NOTE(fds): worker_connections sockets plus model files and logs; a common soft limit is 1024,
+    # and an accept() over it would end the worker. The soft limit may rise up to the hard one.
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
 
 
 def post_worker_init(worker):

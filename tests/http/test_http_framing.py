@@ -190,3 +190,30 @@ def test_a_newline_in_the_path_is_one_escaped_access_line(client, caplog):
     assert len(lines) == 1
     assert '"GET /v1/models/x\\nFORGED\\"\\r\\x1b" 404' in lines[0]
     assert "\n" not in lines[0] and "\r" not in lines[0]
+
+
+# ---- what the gthread worker buffers before a thread sees the request ---------------------------
+
+@pytest.mark.parametrize("head, length", [
+    (b"POST / HTTP/1.1\r\nContent-Length: 12\r\n\r\n", 12),
+    (b"POST / HTTP/1.1\r\ncontent-length:12\r\nContent-Length: 12 \r\n\r\n", 12),
+    (b"POST / HTTP/1.1\r\nContent-Length: 12\r\nContent-Length: 13\r\n\r\n", None),    # gunicorn refuses it
+    (b"POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\nContent-Length: 12\r\n\r\n", None),
+    (b"POST / HTTP/1.1\r\nExpect: 100-continue\r\nContent-Length: 12\r\n\r\n", None),  # waits for a 100
+    (b"POST / HTTP/1.1\r\nX-Content-Length: 12\r\n\r\n", None),
+    (b"POST / HTTP/1.1\r\nContent-Length: 1" + b"0" * 20 + b"\r\n\r\n", None),
+])
+def test_the_thread_worker_buffers_a_body_only_when_its_length_is_plain(head, length):
+    from turbospark_wsgi.workers import body_length
+    assert body_length(head) == length
+
+
+@pytest.mark.parametrize("data, end", [
+    (b"GET / HTTP/1.1\r\nHost: x\r\n\r\nBODY", 27),
+    (b"GET / HTTP/1.1\r\nHost: x\r\n", -1),
+    (b"\r\nGET / HTTP/1.1\r\n\r\n", 20),                 # one empty line may come first
+    (b"GET / HTTP/1.1\nHost: x\n\n", 24),                # bare LFs: whole, for gunicorn to refuse
+])
+def test_the_thread_worker_finds_where_a_head_ends(data, end):
+    from turbospark_wsgi.workers import find_head_end
+    assert find_head_end(bytearray(data)) == end

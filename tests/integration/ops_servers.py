@@ -3,6 +3,7 @@ RSS, /metrics samples, a small HTTP client and nginx with a multi-replica upstre
 import http.client
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -127,6 +128,12 @@ class Server:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(10)
+
+
+def nginx_binary():
+    """nginx's path, or None; Debian installs it in /usr/sbin, which is not on every user's PATH."""
+    return shutil.which("nginx") or next(
+        (p for p in ("/usr/sbin/nginx", "/usr/local/sbin/nginx") if os.access(p, os.X_OK)), None)
 
 
 def replica_conf(template, prefix, port, upstream_ports):
