@@ -65,6 +65,8 @@ LIST = {"type": "object", "properties": {"next": {"$ref": "#"}, "value": {"type"
      "$defs": {"node": {"type": "object", "properties": {"next": {"$ref": "#/$defs/node"}}}}},
     {"anyOf": [{"$ref": "#"}, {"type": "string"}]},
     {"type": "array", "items": {"$ref": "#"}},
+    {"type": "array", "minItems": 1, "prefixItems": [{"type": "string"}], "items": {"$ref": "#"}},
+    {"type": "object", "required": ["a"], "properties": {"a": {"anyOf": [{"$ref": "#"}, {"type": "null"}]}}},
     {"$ref": "#/definitions/a~1b", "definitions": {"a/b": {"type": "string"}}},
     {"$ref": "#/definitions/a%20b", "definitions": {"a b": {"type": "string"}}},
     {"type": "object", "properties": {"a": {"$ref": "http://elsewhere.test/x"}}},   # the compiler's to refuse
@@ -78,11 +80,17 @@ def test_schemas_that_can_be_generated_pass(schema):
     {"allOf": [{"$ref": "#"}]},
     {"anyOf": [{"$ref": "#"}]},
     {"oneOf": [{"$ref": "#"}, {"allOf": [{"$ref": "#"}]}]},
-    {"type": "object", "properties": {"a": {"$ref": "#/definitions/x"}}, "definitions": {"x": {"$ref": "#/definitions/x"}}},
+    {"type": "object", "properties": {"a": {"$ref": "#/definitions/x"}},
+     "definitions": {"x": {"$ref": "#/definitions/x"}}},
     {"$ref": "#/$defs/a", "$defs": {"a": {"allOf": [{"$ref": "#/$defs/b"}]}, "b": {"$ref": "#/$defs/a"}}},
     {"type": "array", "items": [{"type": "string"}, {"$ref": "#/items/1"}]},
+    {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]},
+    {"type": "array", "minItems": 1, "items": {"$ref": "#"}},
+    {"type": "array", "minItems": 2, "prefixItems": [{"type": "string"}], "items": {"$ref": "#"}},
+    {"$ref": "#/$defs/n", "$defs": {"n": {"type": "object", "required": ["next"], "properties": {
+        "next": {"anyOf": [{"$ref": "#/$defs/n"}, {"allOf": [{"$ref": "#/$defs/n"}]}]}}}}},
 ])
-def test_a_schema_that_reaches_itself_with_no_value_between_is_refused(schema):
+def test_a_schema_that_requires_itself_with_no_way_to_end_is_refused(schema):
     err = refused(check_schema, schema, "tools[0].function.parameters")
     assert err.param == "tools[0].function.parameters" and "$ref" in err.message
 
@@ -94,7 +102,8 @@ def test_a_schema_that_reaches_itself_with_no_value_between_is_refused(schema):
     {"x-guidance": None},
 ])
 def test_missing_refs_and_junk_options_are_refused(schema):
-    assert refused(check_schema, schema, "response_format.json_schema.schema").param == "response_format.json_schema.schema"
+    param = "response_format.json_schema.schema"
+    assert refused(check_schema, schema, param).param == param
 
 
 def test_error_messages_that_quote_client_text_always_encode():
@@ -107,3 +116,37 @@ def test_tool_input_survives_what_a_model_can_write():
     assert tool_input('{"a": "\\ud800"}') == {"a": "?"}
     assert tool_input('{"a": ' + "[" * 5000 + "]" * 5000 + "}") == {}
     assert tool_input('{"a": "\\ud83d\\ude00"}') == {"a": "\U0001F600"}
+
+
+def ref_chain(n):
+    defs = {f"d{i}": {"type": "object", "properties": {"x": {"$ref": f"#/$defs/d{i + 1}"}}} for i in range(n)}
+    return {"$ref": "#/$defs/d0", "$defs": {**defs, f"d{n}": {"type": "string"}}}
+
+
+def test_schema_depth_through_refs_is_bounded():
+    check_schema(ref_chain(40), "p")
+    check_schema({"type": "object", "properties": {"next": {"$ref": "#"}}}, "p")      # recursion is not depth
+    err = refused(check_schema, ref_chain(3000), "p")
+    assert err.param == "p" and "limit" in err.message
+
+
+def merged_patterns(n, form):
+    defs = {"d0": {"type": "object", "properties": {"a": {"type": "string", "pattern": "[a-z]*x"}}}}
+    for i in range(1, n + 1):
+        prev, pattern = {"$ref": f"#/$defs/d{i - 1}"}, f"[a-z]*{i}.*"
+        defs[f"d{i}"] = {"sibling": {**prev, "pattern": pattern}, "allof": {"allOf": [prev, {"pattern": pattern}]},
+                         "props": {"allOf": [prev, {"properties": {"a": {"pattern": pattern}}}]}}[form]
+    return {"$ref": f"#/$defs/d{n}", "$defs": defs}
+
+
+@pytest.mark.parametrize("form", ["sibling", "allof", "props"])
+def test_patterns_meeting_under_allof_are_bounded(form):
+    """Found while fuzzing: 24 patterns intersected this way keep the grammar compiler busy for minutes."""
+    check_schema(merged_patterns(3, form), "p")
+    assert "limit" in refused(check_schema, merged_patterns(24, form), "p").message
+
+
+def test_annotation_siblings_and_many_separate_patterns_are_fine():
+    props = {f"k{i}": {"type": "string", "pattern": f"[a-z]{{{i}}}"} for i in range(40)}
+    check_schema({"type": "object", "properties": {"a": {"allOf": [{"$ref": "#/$defs/x"}], "description": "d"}},
+                  "$defs": {"x": {"type": "object", "properties": props}}}, "p")

@@ -25,7 +25,8 @@ SMOLLM = MODELS / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 S = "\\ud800"                      # a lone surrogate as a JSON escape (raw text, not a Python escape)
 USER = '[{"role": "user", "content": "hi"}]'
-CALL = '{"role": "assistant", "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": %s}}]}'
+CALL = ('{"role": "assistant", "tool_calls": [{"id": "c1", "type": "function", '
+        '"function": {"name": "f", "arguments": %s}}]}')
 TOOL_MSG = '{"role": "tool", "tool_call_id": "c1", "content": "ok"}'
 
 
@@ -84,7 +85,8 @@ NESTING = [        # params ending in * name the first too-deep container: that 
     ("/v1/chat/completions", chat_with_args(json.dumps('{"a": %s}' % deep(1000))),
      "messages[1].tool_calls[0].function.arguments"),
     ("/v1/messages", '{"max_tokens": 2, "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", '
-     '"content": [{"type": "tool_use", "id": "c1", "name": "f", "input": %s}]}]}' % ARGS, "messages[1].content[0].input.a*"),
+     '"content": [{"type": "tool_use", "id": "c1", "name": "f", "input": %s}]}]}' % ARGS,
+     "messages[1].content[0].input.a*"),
     ("/v1/completions", '{"prompt": "hi", "stop": %s}' % deep(80), "stop[0]*"),
 ]
 
@@ -96,6 +98,7 @@ def rf(schema):
 
 RECURSIVE_DEFS = {"type": "object", "required": ["a"], "properties": {"a": {"$ref": "#/definitions/x"}},
                   "definitions": {"x": {"$ref": "#/definitions/x"}}}
+REQUIRES_ITSELF = {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}   # found by the fuzzer
 CYCLE = {"$ref": "#/$defs/a", "$defs": {"a": {"allOf": [{"$ref": "#/$defs/b"}]}, "b": {"$ref": "#/$defs/a"}}}
 MANY_PATTERNS = {"type": "object", "properties": {
     f"k{i}": {"type": "string", "pattern": f"[a-z]{{{i % 50},{i % 50 + 20}}}x"} for i in range(10000)}}
@@ -107,7 +110,9 @@ GRAMMARS += [
     (rf({"$ref": "#"}), "response_format.json_schema.schema"),
     (rf(RECURSIVE_DEFS), "response_format.json_schema.schema"),
     (rf(CYCLE), "response_format.json_schema.schema"),
-    (rf({"type": "object", "properties": {"a": {"$ref": "#/definitions/missing"}}}), "response_format.json_schema.schema"),
+    (rf(REQUIRES_ITSELF), "response_format.json_schema.schema"),
+    (rf({"type": "object", "properties": {"a": {"$ref": "#/definitions/missing"}}}),
+     "response_format.json_schema.schema"),
     (rf({"type": "nope"}), "response_format"),
     (rf({"type": "integer", "minimum": -1e308, "maximum": 1e308}), "response_format"),
     (rf(MANY_PATTERNS), "response_format"),
@@ -125,7 +130,8 @@ def anthropic_tool(schema, path="/v1/messages"):
                              "tools": [{"name": "f", "input_schema": schema}]})
 
 
-TOOL_SCHEMAS = [{"$ref": "#"}, RECURSIVE_DEFS, CYCLE, {"type": "object", "properties": {"a": {"$ref": "#/nope/x"}}},
+TOOL_SCHEMAS = [{"$ref": "#"}, RECURSIVE_DEFS, CYCLE, REQUIRES_ITSELF,
+                {"type": "object", "properties": {"a": {"$ref": "#/nope/x"}}},
                 {"type": "object", "x-guidance": 3}, {"type": "object", "x-guidance": None}]
 TOOLS = [("/v1/chat/completions", forced_tool(s), "tools[1].function.parameters") for s in TOOL_SCHEMAS]
 TOOLS += [(*anthropic_tool(s), "tools.0.input_schema") for s in TOOL_SCHEMAS]
@@ -133,7 +139,12 @@ TOOLS += [(*anthropic_tool({"$ref": "#"}, "/v1/messages/count_tokens"), "tools.0
           ("/v1/chat/completions", forced_tool({"type": "object", "properties": {"a": {"$ref": "http://x.test/s"}}}),
            "tools")]
 
-ALL = ([(p, b, param) for p, b, param in SURROGATES] + [(p, b, param) for p, b, param in NESTING]
+SHAPES = [          # found by tests/http/test_fuzz.py
+    ("/v1/messages", json.dumps({"messages": json.loads(USER), "max_tokens": 2, "tool_choice": {"type": {}}}), None),
+    ("/v1/messages", json.dumps({"messages": json.loads(USER), "max_tokens": 2, "tool_choice": {"type": [1]}}), None),
+]
+
+ALL = SHAPES + ([(p, b, param) for p, b, param in SURROGATES] + [(p, b, param) for p, b, param in NESTING]
        + [("/v1/chat/completions", b, param) for b, param in GRAMMARS] + TOOLS)
 
 
@@ -162,7 +173,7 @@ def test_hostile_input_is_a_400_naming_the_field(app, caplog, path, raw, param):
 
 
 def test_the_app_still_answers_afterwards(app):
-    for path, raw, _ in ALL[:3] + TOOLS[:2]:
+    for path, raw, _ in SURROGATES[:3] + TOOLS[:2]:
         app.post(path, raw.encode(), content_type="application/json", expect_errors=True)
     body = app.post_json("/v1/chat/completions", {"messages": json.loads(USER), "max_tokens": 2}).json
     assert body["choices"][0]["finish_reason"] in ("stop", "length")
@@ -172,8 +183,9 @@ def test_a_guarded_recursive_tool_schema_runs(app):
     """Recursion through a property (a linked list) is a fine schema: it compiles and generates."""
     node = {"type": "object", "properties": {"next": {"$ref": "#/$defs/node"}, "v": {"type": "integer"}}}
     schema = {"type": "object", "properties": {"head": {"$ref": "#/$defs/node"}}, "$defs": {"node": node}}
-    r = app.post_json("/v1/chat/completions", {"messages": json.loads(USER), "max_tokens": 4, "tool_choice": "required",
-                                                "tools": [{"type": "function", "function": {"name": "f", "parameters": schema}}]})
+    tools = [{"type": "function", "function": {"name": "f", "parameters": schema}}]
+    r = app.post_json("/v1/chat/completions", {"messages": json.loads(USER), "max_tokens": 4,
+                                                "tool_choice": "required", "tools": tools})
     assert r.json["choices"][0]["finish_reason"] in ("stop", "length", "tool_calls")
 
 
@@ -189,3 +201,32 @@ def test_nesting_up_to_the_limit_is_accepted(app, caplog):
     assert r.status_int == 200
     assert_refused(app, caplog, "/v1/chat/completions", chat_with_args('{"a": %s}' % deep(58)),
                    "messages[1].tool_calls[0].function.arguments.a" + "[0]" * 57)
+
+
+CRASH = """
+import json, sys
+sys.path.insert(0, {tests!r})
+from test_hostile_input import build_app
+from pathlib import Path
+import tempfile
+app = build_app(Path(tempfile.mkdtemp()))
+n = 3000
+chain = {{"$ref": "#/$defs/d0", "$defs": {{f"d{{i}}": {{"type": "object", "properties": {{"x": {{"$ref": f"#/$defs/d{{i + 1}}"}}}}}}
+                                       for i in range(n)}}}}
+chain["$defs"][f"d{{n}}"] = {{"type": "string"}}
+r = app.post_json({path!r}, {{"messages": [{{"role": "user", "content": "hi"}}], "max_tokens": 2,
+                             "response_format": {{"type": "json_schema", "json_schema": {{"name": "x", "schema": chain}}}}}},
+                  expect_errors=True)
+print(r.status_int, r.json["error"]["param"])
+"""
+
+
+def test_a_long_ref_chain_is_refused_without_crashing_the_process():
+    """A $ref chain 3,000 schemas long overflows the grammar compiler's native stack (the whole
+    process dies): it is refused before compiling. Run in a child process, so a crash is a failure."""
+    import subprocess
+    import sys
+    code = CRASH.format(tests=str(Path(__file__).parent), path="/v1/chat/completions")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    assert done.stdout.split() == ["400", "response_format.json_schema.schema"], done.stdout

@@ -173,7 +173,7 @@ def _tool_choice(value, tools):
         if name not in [t["function"]["name"] for t in tools or ()]:
             fail("tool_choice.name", f"tool_choice.name: '{name}' is not among tools")
         return name, parallel
-    if kind not in _CHOICES:
+    if not isinstance(kind, str) or kind not in _CHOICES:       # an object or array is unhashable
         fail("tool_choice.type", "tool_choice.type: expected 'auto', 'any', 'tool' or 'none'")
     if kind == "any" and not tools:
         fail("tool_choice", "tool_choice 'any' requires tools")

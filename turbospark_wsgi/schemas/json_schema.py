@@ -5,10 +5,13 @@ grammar compiler would accept but could never generate, refused here with the sc
 
 - `x-guidance` (the grammar options) must be an object;
 - a local `$ref` ("#", "#/$defs/x") must point at something in the schema;
-- no schema may reach itself through `$ref`, `allOf`, `anyOf` or `oneOf` alone, with no JSON
-  value in between ({"$ref": "#"}, or definitions referring to each other): such a rule never
-  produces a token, and a constraint built from it fails in the middle of generation.
-  Recursion through a property or an item (a tree, a linked list) is fine.
+- a path from the root through subschemas and $refs may be at most MAX_DEPTH long, and at most
+  MAX_MERGED_PATTERNS `pattern`s may meet under allOf (both bound the compiler's stack and time);
+- no schema may require itself with no way to end: through `$ref`, `allOf`, `anyOf`/`oneOf`
+  (every branch), required properties or the items of a non-empty array ({"$ref": "#"},
+  definitions referring to each other, an object whose required property is itself). No finite
+  JSON value matches such a schema, and a constraint built from it fails in the middle of
+  generation. Recursion through an optional property or item (a tree, a linked list) is fine.
 """
 from urllib.parse import unquote
 
@@ -20,6 +23,15 @@ _ONE = ("additionalProperties", "items", "additionalItems", "contains", "not", "
 _LIST = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
 _MAP = ("properties", "patternProperties", "dependentSchemas")
 _MISSING = object()
+# NOTE(stack): the grammar compiler recurses along a schema's $ref chains and overflows the native
+# stack (a crash of the whole process) somewhere past 1,500 levels; real schemas need a few dozen.
+MAX_DEPTH = 128
+# NOTE(compile-time): where schemas are merged (allOf, $ref with siblings), the compiler intersects
+# their `pattern`s, and its time doubles with each one past ~15 (20: seconds; 24: minutes), all on
+# the compute thread. Counted over everything under a merge, which is generous.
+MAX_MERGED_PATTERNS = 8
+_ANNOTATIONS = {"title", "description", "default", "examples", "$comment", "deprecated", "readOnly", "writeOnly",
+                "$id", "$schema", "$anchor", "x-guidance"}
 
 
 def check_schema(schema, param):
@@ -28,26 +40,49 @@ def check_schema(schema, param):
     if not isinstance(options, dict):
         fail(param, f"'{param}.x-guidance' must be an object of grammar options.")
     nodes = _reachable(schema, param)
+    depth = _depth(nodes, schema)
+    if depth > MAX_DEPTH:
+        fail(param, f"'{param}' nests {depth} schemas deep through $ref; the limit is {MAX_DEPTH}.")
+    merged = _merged_patterns(nodes)
+    if merged > MAX_MERGED_PATTERNS:
+        fail(param, f"'{param}' intersects {merged} 'pattern's through allOf or $ref siblings; the limit is "
+                    f"{MAX_MERGED_PATTERNS}.")
     stuck = _ungrounded(nodes)
     if stuck is not None:
-        fail(param, f"'{param}' refers to itself through $ref at '{stuck[:200]}' with no value in between, "
-                    f"so no JSON can satisfy it.")
+        fail(param, f"'{param}' can never be satisfied: through $ref, '{stuck[:200]}' requires itself "
+                    f"with no way to end, so no finite JSON value matches it.")
 
 
 def _reachable(root, param):
-    """{id(node): (node, pointer, $ref target or None)} for every subschema reached from the root,
-    local $refs followed."""
+    """{id(node): (node, pointer, $ref target or None, [child ids])} for every subschema reached
+    from the root, local $refs followed (the target is a child too)."""
     nodes, stack = {}, [(root, "#")]
     while stack:
         node, pointer = stack.pop()
         if not isinstance(node, dict) or id(node) in nodes:
             continue
         target = _ref_target(node, root, param)
-        nodes[id(node)] = (node, pointer, target)
-        if target is not None:
-            stack.append((target, node["$ref"]))
-        stack.extend(_children(node, pointer))
+        children = list(_children(node, pointer)) + ([(target, node["$ref"])] if target is not None else [])
+        nodes[id(node)] = (node, pointer, target, [id(c) for c, _ in children if isinstance(c, dict)])
+        stack.extend(children)
     return nodes
+
+
+def _depth(nodes, root):
+    """The most subschemas on one path from the root, $refs followed, recursion not unrolled
+    (a depth-first walk that ignores edges back into the path)."""
+    depth, state, stack = {}, {}, [(id(root), 0)]
+    while stack:
+        key, i = stack.pop()
+        state[key] = "open"
+        kids = nodes[key][3]
+        if i < len(kids):
+            stack.append((key, i + 1))
+            if kids[i] not in state:
+                stack.append((kids[i], 0))
+            continue
+        depth[key] = 1 + max((depth[k] for k in kids if k in depth), default=0)
+    return depth[id(root)]
 
 
 def _children(node, pointer):
@@ -60,6 +95,24 @@ def _children(node, pointer):
     for key in _MAP:
         if isinstance(node.get(key), dict):
             yield from ((s, f"{pointer}/{key}/{name}") for name, s in node[key].items())
+
+
+def _merged_patterns(nodes):
+    """How many subschemas with a `pattern` lie under a merge: an allOf of two or more, or an
+    allOf or $ref with sibling keywords (annotations aside). One walk over the graph."""
+    seen, stack = set(), [key for key, (node, *_) in nodes.items() if _merges(node)]
+    while stack:
+        key = stack.pop()
+        if key not in seen:
+            seen.add(key)
+            stack.extend(nodes[key][3])
+    return sum(1 for key in seen if "pattern" in nodes[key][0])
+
+
+def _merges(node):
+    parts = _schemas(node.get("allOf")) + ([node["$ref"]] if "$ref" in node else [])
+    own = set(node) - _ANNOTATIONS - {"allOf", "$ref", "$defs", "definitions"}
+    return len(parts) > 1 or (len(parts) == 1 and bool(own))
 
 
 def _ref_target(node, root, param):
@@ -83,12 +136,30 @@ def _ref_target(node, root, param):
 
 
 def _edges(node, target):
-    """(must, either): the subschemas a node is made of with no JSON in between: all of `must`
-    ($ref, allOf), and one of `either` (anyOf, oneOf) when there are any."""
+    """(must, either): the subschemas every value of a node holds: all of `must` ($ref, allOf,
+    required properties, the items of a non-empty array), and one of `either` (anyOf, oneOf)
+    when there are any."""
     must = [target] if isinstance(target, dict) else []
-    must += _schemas(node.get("allOf"))
+    must += _schemas(node.get("allOf")) + _required(node) + _first_items(node)
     either = _schemas(node.get("anyOf")) + _schemas(node.get("oneOf"))
     return [id(s) for s in must], [id(s) for s in either]
+
+
+def _required(node):
+    props, required = node.get("properties"), node.get("required")
+    if not isinstance(props, dict) or not isinstance(required, list):
+        return []
+    return [props[k] for k in required if isinstance(k, str) and isinstance(props.get(k), dict)]
+
+
+def _first_items(node):
+    least = node.get("minItems")
+    if not isinstance(least, int) or isinstance(least, bool) or least < 1:
+        return []
+    prefix = _schemas(node.get("prefixItems"))[:least]
+    items = node.get("items")
+    rest = [items] if isinstance(items, dict) and least > len(prefix) else []
+    return prefix + rest
 
 
 def _schemas(value):
@@ -96,12 +167,12 @@ def _schemas(value):
 
 
 def _ungrounded(nodes):
-    """The pointer of a node that can never be finished without passing through itself, or None.
+    """The pointer of a node that no finite value satisfies, or None.
 
     A node is grounded when all of its `must` parts are and, if it has `either` parts, one of
     them is: found by propagating from the nodes with no parts (a worklist, linear in the size)."""
     need, parents, ready = {}, {}, []
-    for key, (node, _, target) in nodes.items():
+    for key, (node, _, target, _) in nodes.items():
         must, either = _edges(node, target)
         need[key] = len(must) + (1 if either else 0)
         for child in must:
@@ -122,5 +193,5 @@ def _ungrounded(nodes):
             if need[parent] == 0:
                 grounded.add(parent)
                 ready.append(parent)
-    stuck = [pointer for key, (_, pointer, _) in nodes.items() if key not in grounded]
+    stuck = [pointer for key, (_, pointer, _, _) in nodes.items() if key not in grounded]
     return min(stuck, key=len) if stuck else None
