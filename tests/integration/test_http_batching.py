@@ -42,3 +42,25 @@ def test_second_chat_turn_reuses_the_first_turns_prefix(client):
     second = client.chat.completions.create(messages=history, **kw)
     cached = second.usage.prompt_tokens_details.cached_tokens
     assert cached >= first.usage.prompt_tokens - 128
+
+
+RECURSIVE_TOOL = {"type": "function", "function": {"name": "walk", "parameters": {
+    "type": "object", "properties": {"next": {"$ref": "#"}}, "required": ["next"]}}}
+HOSTILE = [("/v1/completions", {"prompt": "Hi", "max_tokens": 20, "temperature": 5e-324}),
+           ("/v1/completions", {"prompt": "Hi", "max_tokens": 20, "temperature": 1.0, "repetition_penalty": 1e-40}),
+           ("/v1/completions", {"prompt": "Hi", "max_tokens": 20, "repetition_penalty": 1e-300, "stream": True}),
+           ("/v1/chat/completions", {"messages": [{"role": "user", "content": "go"}], "max_tokens": 20,
+                                     "tools": [RECURSIVE_TOOL], "tool_choice": "required"})]
+
+
+@pytest.mark.parametrize("path, body", HOSTILE, ids=["temperature", "penalty", "penalty-stream", "recursive-ref"])
+def test_a_hostile_neighbour_leaves_the_running_streams_untouched(client, path, body):
+    import requests
+    solo = [complete(client, p, stream=False) for p in PROMPTS[:3]]
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        streams = [pool.submit(complete, client, p, True) for p in PROMPTS[:3]]
+        hostile = pool.submit(requests.post, str(client.base_url).rstrip("/").removesuffix("/v1") + path,
+                              json={"model": "smollm2-135m-instruct", **body}, timeout=300)
+        assert [f.result() for f in streams] == solo
+        reply = hostile.result()
+    assert reply.status_code in (200, 400) and "event: error" not in reply.text, reply.text[:300]
