@@ -4,7 +4,7 @@ import json
 import pytest
 
 from turbospark_wsgi.parsers import CallArgs, OutputParser, ToolCall, collect, detect_family, parse_output
-from turbospark_wsgi.parsers.tool_calls import calls_from_json
+from turbospark_wsgi.parsers.tool_calls import _encodable, calls_from_json
 
 HERMES_TWO = ('I will check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
               '</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {"tz": "CET"}}\n</tool_call>')
@@ -170,3 +170,22 @@ def test_second_call_is_dropped_whole_when_not_parallel():
     calls = [c for d in deltas for c in d.get("tool_calls", [])]
     assert {c["index"] for c in calls} == {0}
     assert "".join(c["function"]["arguments"] for c in calls) == '{"city": "Paris"}'
+
+
+@pytest.mark.parametrize("call", [
+    '{"name": "\\ud800", "arguments": {}}',
+    '{"name": "get", "arguments": {"city": "\\udc00"}}',
+    '{"name": "get", "arguments": "{\\"a\\": ' + '[' * 3000 + ']' * 3000 + '}"}',
+    '{"name": "get", "arguments": {"a": ' + '[' * 3000 + ']' * 3000 + '}}',
+])
+@pytest.mark.parametrize("streamed", [False, True])
+def test_model_written_calls_that_could_not_be_encoded_stay_text(call, streamed):
+    """A model may write a lone surrogate as a JSON escape, or nest without end: never a call
+    whose reply cannot be encoded, never an exception."""
+    text = f"<tool_call>\n{call}\n</tool_call>"
+    if streamed:
+        parser = OutputParser(tool_family="hermes", reasoning=False)
+        result = collect([e for ch in text for e in parser.feed(ch)] + parser.flush())
+    else:
+        result = parse_output(text, tool_family="hermes", reasoning=False)
+    assert all(_encodable(c.name) and _encodable(c.arguments) for c in result.tool_calls)

@@ -49,9 +49,10 @@ def _head_name(match, quoted):
     if match is None or not quoted:
         return match and match.group(1)
     try:
-        return json.loads(match.group(1))
+        name = json.loads(match.group(1))
     except ValueError:
         return None
+    return name if _encodable(name) else None
 
 
 class _ArgsScanner:
@@ -92,15 +93,26 @@ def _to_call(obj, lenient=False):
     if not lenient and "arguments" not in obj and "parameters" not in obj:
         return None
     args = obj.get("arguments", obj.get("parameters", {}))
-    if isinstance(args, str):
-        try:
+    try:
+        if isinstance(args, str):
             json.loads(args)
-        except ValueError:
+        elif isinstance(args, dict):
+            args = json.dumps(args, ensure_ascii=False)
+        else:
             return None
-        return ToolCall(obj["name"], args)
-    if not isinstance(args, dict):
+    except (ValueError, RecursionError):
         return None
-    return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
+    # NOTE(hostile-output): the model's text may spell a lone surrogate as a JSON escape; such a
+    # call could not be encoded in the reply, so its text stays content
+    return ToolCall(obj["name"], args) if _encodable(obj["name"]) and _encodable(args) else None
+
+
+def _encodable(text):
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def decode_json_values(text, separators=" \t\r\n;,"):
@@ -113,7 +125,7 @@ def decode_json_values(text, separators=" \t\r\n;,"):
             return values or None
         try:
             value, i = decoder.raw_decode(text, i)
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
         values.extend(value if isinstance(value, list) else [value])
 
