@@ -31,7 +31,11 @@ except ImportError:            # pragma: no cover - exercised only where numba i
     numba = None
 
 AVAILABLE = numba is not None
-GEMV_MAX_B = int(os.environ.get("TURBOSPARK_GEMV_MAX_B", "16"))   # larger batches use BLAS
+# PERF(prefill): with BLAS on one thread (see limit_blas_threads) the fused kernels beat dequantize +
+# GEMM up to a whole prefill chunk: SmolLM2 Q4_1 forward, 2 cores, 24/64/128 rows: 48/118/231 ms
+# against 66/144/263 ms (and 100/134/207 ms with BLAS on both cores, its spinning threads slowing
+# the kernels around it). Only longer calls (TURBOSPARK_PREFILL_CHUNK above this) use BLAS.
+GEMV_MAX_B = int(os.environ.get("TURBOSPARK_GEMV_MAX_B", "256"))   # larger batches use BLAS
 SLAB_ROWS = 1024               # rows dequantized per BLAS call in the large-batch path
 # PERF(threads): a cap on the threads of a single-row product (one stream decoding); 0 = none.
 # With passive waiting one thread was best for the layers' 50-150 us products, the 49152x576 head
@@ -186,10 +190,11 @@ class QLinear:
     def __rmatmul__(self, x):
         return self._matmul(x, "auto")
 
-    def matmul_gemm(self, x):
-        """x @ W.T on the dequantize-and-GEMM path whatever the row count (prefill: the same path
-        for every chunk, so a row's bits do not depend on the chunk's size)."""
-        return self._matmul(x, "blas")
+    def matmul_rows(self, x):
+        """x @ W.T with each row's bits independent of the rows beside it and of the row count
+        (prefill: a position's K/V bits do not depend on how the prompt was cut): the fused
+        kernels compute every row on its own, with the same code for any count."""
+        return self._matmul(x, "gemv")
 
     def _matmul(self, x, path):
         x = np.asarray(x, dtype=np.float32)
@@ -265,6 +270,17 @@ def _blas(x, p, y):
         n0 = t0 * R
         n1 = min(p.n, n0 + cols)
         y[:, n0:n1] = x @ wt[:, :n1 - n0]
+
+
+def limit_blas_threads(n=1):
+    """Caps BLAS (numpy's OpenBLAS) at `n` threads for the process.
+
+    PERF(threads): with quantized weights the fused kernels are the parallel part of every product
+    and BLAS runs only attention's small ones; its idle threads spin after each call and take the
+    cores from the kernels around it. SmolLM2 Q4_1, 2 cores, BLAS on 2 threads -> 1: decode at depth
+    300 went 40 -> 8 ms a token (B = 1) and 65 -> 36 ms a step (B = 8), a 24-token prompt 110 -> 48 ms."""
+    from threadpoolctl import threadpool_limits
+    threadpool_limits(n, user_api="blas")
 
 
 _local = threading.local()

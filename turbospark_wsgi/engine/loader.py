@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 from .backend import select_backend
 from .config import ModelConfig
+from . import kernels_cpu
 from .gguf import GGUFFile, model_config_from_gguf
 from .model import Transformer
 from .safetensors_io import SafetensorsDir, model_config_from_hf
@@ -54,6 +55,7 @@ def _load(path, device, weights):
     _check_shapes(cfg, source, kind)
     if _quantized(weights, kind, backend.name):
         tensors = load_quantized_weights(cfg, source)
+        kernels_cpu.limit_blas_threads(1)
     else:
         tensors = load_weights(cfg, source, kind, backend.xp)
     model = Transformer(cfg, tensors, backend.xp)

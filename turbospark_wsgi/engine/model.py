@@ -178,14 +178,15 @@ class Transformer:
 
 def rows_matmul(x, w, xp):
     """x `[..., m, k]` @ w `[..., k, n]` (w may be a quantized QLinear), computed so that each row's
-    result does not depend on the rows beside it: fewer than ROW_FLOOR rows are padded with zeros,
-    and a QLinear always takes its dequantize-and-GEMM path. Used by the prefill forward pass."""
+    result does not depend on the rows beside it: a QLinear computes every row on its own (its
+    `matmul_rows`); for BLAS, fewer than ROW_FLOOR rows are padded with zeros. Used by prefill."""
+    if hasattr(w, "matmul_rows"):
+        return w.matmul_rows(x)
     m = x.shape[-2]
     if m < ROW_FLOOR:
         pad = xp.zeros(x.shape[:-2] + (ROW_FLOOR - m, x.shape[-1]), dtype=x.dtype)
         x = xp.concatenate([x, pad], axis=-2)
-    out = w.matmul_gemm(x) if hasattr(w, "matmul_gemm") else x @ w
-    return out[..., :m, :]
+    return (x @ w)[..., :m, :]
 
 
 def _plain_matmul(x, w, xp):
