@@ -15,6 +15,7 @@ from .resources.completions import Completions
 from .resources.health import Health
 from .resources.metrics import Metrics
 from .resources.messages import CountTokens, Messages
+from .resources.responses import Responses, ResponseStore, StoredResponse
 from .resources.models import Model, Models
 from .resources.tokenize import Detokenize, Tokenize
 from .resources.openapi import OpenApi
@@ -61,6 +62,10 @@ def add_routes(app, service, config):
     app.add_route("/v1/chat/completions", ChatCompletions(service, config.max_body))
     app.add_route("/v1/messages", Messages(service, config.max_body))
     app.add_route("/v1/messages/count_tokens", CountTokens(service, config.max_body))
+    # NOTE(store): one store per app, so per worker process (the app is built after the fork).
+    store = ResponseStore(config.responses_store_size, config.responses_store_bytes, config.responses_store_ttl)
+    app.add_route("/v1/responses", Responses(service, store, config.max_body))
+    app.add_route("/v1/responses/{response_id}", StoredResponse(store))
     app.add_route("/v1/models", Models(service))
     app.add_route("/v1/models/{model_id:path}", Model(service))
     app.add_route("/health", Health(service))

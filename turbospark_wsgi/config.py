@@ -28,7 +28,8 @@ class Config:
     MAX_TOKENS_CAP (0 = none), MAX_GENERATION_SECONDS (0 = none), GRACEFUL_TIMEOUT (s),
     REPLICA_ID (sent back in `x-turbospark-replica`; default host:pid), HEADER_TIMEOUT (s from a
     request's first byte to the end of its headers), BODY_TIMEOUT (s to read a request body; over
-    either: 408).
+    either: 408), RESPONSES_STORE_SIZE (stored /v1/responses per worker, 0 = none),
+    RESPONSES_STORE_BYTES (their JSON, conversations included), RESPONSES_STORE_TTL (s, 0 = no limit).
     """
 
     models_dir: str = os.path.expanduser("~/.cache/turbospark/models")
@@ -56,17 +57,20 @@ class Config:
     replica_id: str = ""
     header_timeout: float = 10.0
     body_timeout: float = 10.0
+    responses_store_size: int = 1000
+    responses_store_bytes: int = 64 * 1024 * 1024
+    responses_store_ttl: float = 3600.0
     load_default: bool = field(default=True)   # start loading the default model when the app is built
 
     def __post_init__(self):
         _check_choice("device", self.device, DEVICES)
         _check_choice("worker_class", self.worker_class, WORKER_CLASSES)
         for name in ("max_waiting", "max_context", "threads", "model_memory", "max_prompt_tokens",
-                     "max_tokens_cap"):
+                     "max_tokens_cap", "responses_store_size", "responses_store_bytes"):
             _check_range(name, getattr(self, name), 0)
         for name in ("max_body", "port", "prefill_chunk", "max_batch"):
             _check_range(name, getattr(self, name), 1)
-        for name in ("queue_timeout", "max_generation_seconds", "graceful_timeout"):
+        for name in ("queue_timeout", "max_generation_seconds", "graceful_timeout", "responses_store_ttl"):
             _check_range(name, getattr(self, name), 0)
         for name in ("header_timeout", "body_timeout"):
             if not 0 < getattr(self, name) < float("inf"):
@@ -118,9 +122,9 @@ def read_key_file(path):
 
 _ENV_NAMES = {"models_dir": "MODELS"}
 _INTS = {"max_waiting", "max_body", "max_context", "port", "threads", "prefill_chunk", "max_batch", "model_memory",
-         "max_prompt_tokens", "max_tokens_cap"}
+         "max_prompt_tokens", "max_tokens_cap", "responses_store_size", "responses_store_bytes"}
 _FLOATS = {"queue_timeout", "keepalive", "max_generation_seconds", "graceful_timeout", "header_timeout",
-           "body_timeout"}
+           "body_timeout", "responses_store_ttl"}
 _LISTS = {"api_keys", "cors_origins"}
 
 

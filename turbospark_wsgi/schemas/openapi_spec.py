@@ -88,6 +88,45 @@ _SCHEMAS = {
     "CountTokensRequest": {"type": "object", "required": ["messages"], "properties": {
         "model": _STR, "messages": {"type": "array", "minItems": 1, "items": _ref("AnthropicMessage")},
         "system": {"oneOf": [_STR, {"type": "array"}]}, "tools": {"type": "array", "items": _OBJ}}},
+    "ResponseInputItem": {"oneOf": [
+        {"type": "object", "required": ["role", "content"], "properties": {
+            "type": {"const": "message"}, "role": {"enum": ["user", "assistant", "system", "developer"]},
+            "content": {"oneOf": [_STR, {"type": "array", "items": {
+                "type": "object", "required": ["type", "text"],
+                "properties": {"type": {"enum": ["input_text", "output_text"]}, "text": _STR}}}]}}},
+        {"type": "object", "required": ["type", "call_id", "name", "arguments"], "properties": {
+            "type": {"const": "function_call"}, "call_id": _STR, "name": _STR, "arguments": _STR}},
+        {"type": "object", "required": ["type", "call_id", "output"], "properties": {
+            "type": {"const": "function_call_output"}, "call_id": _STR, "output": _STR}},
+        {"type": "object", "required": ["type"], "properties": {
+            "type": {"const": "reasoning"}, "content": {"type": "array", "items": {
+                "type": "object", "properties": {"type": {"const": "reasoning_text"}, "text": _STR}}}}}]},
+    "ResponseCreateRequest": {"type": "object", "required": ["input"], "properties": {
+        "model": _STR, "input": {"oneOf": [_STR, {"type": "array", "minItems": 1, "items": _ref("ResponseInputItem")}]},
+        "instructions": _NULL_STR, "max_output_tokens": {"type": "integer", "minimum": 1},
+        "temperature": {"type": "number", "minimum": 0, "maximum": 2},
+        "top_p": {"type": "number", "minimum": 0, "maximum": 1}, "stream": _BOOL, "store": _BOOL,
+        "tools": {"type": "array", "items": {"type": "object", "required": ["type", "name"], "properties": {
+            "type": {"const": "function"}, "name": _STR, "description": _STR, "parameters": _OBJ,
+            "strict": _BOOL}}},
+        "tool_choice": {"oneOf": [{"enum": ["none", "auto", "required"]}, {
+            "type": "object", "required": ["type", "name"], "properties": {"type": {"const": "function"},
+                                                                          "name": _STR}}]},
+        "parallel_tool_calls": _BOOL, "previous_response_id": _NULL_STR,
+        "text": {"type": "object", "properties": {"format": {"type": "object", "properties": {
+            "type": {"enum": ["text", "json_object", "json_schema"]}, "name": _STR, "schema": _OBJ,
+            "strict": _BOOL}}}},
+        "reasoning": {"type": "object", "properties": {
+            "effort": {"enum": ["none", "minimal", "low", "medium", "high", "xhigh"]}}},
+        "metadata": {"type": "object", "additionalProperties": _STR}}},
+    "Response": {"type": "object", "required": ["id", "object", "created_at", "status", "model", "output"],
+                 "properties": {"id": _STR, "object": {"const": "response"}, "created_at": _INT,
+                                "status": {"enum": ["completed", "incomplete", "failed", "in_progress"]},
+                                "model": _STR, "output": {"type": "array", "items": _OBJ},
+                                "usage": {"type": ["object", "null"], "properties": {
+                                    "input_tokens": _INT, "output_tokens": _INT, "total_tokens": _INT}}}},
+    "ResponseDeleted": {"type": "object", "required": ["id", "object", "deleted"],
+                        "properties": {"id": _STR, "object": {"const": "response"}, "deleted": _BOOL}},
     "TokenizeRequest": {"type": "object", "properties": {
         "model": _STR, "content": _STR, "prompt": _STR, "add_special": _BOOL,
         "messages": {"type": "array", "minItems": 1, "items": _ref("ChatMessage")},
@@ -132,6 +171,10 @@ def _get(summary, response_content, path_params=(), error="OpenAIError", extra=N
     return {"get": op}
 
 
+def _delete(summary, response_content, path_params):
+    return {"delete": _get(summary, response_content, path_params)["get"]}
+
+
 def spec(version="0"):
     """The OpenAPI document as a dict."""
     return {
@@ -148,6 +191,11 @@ def spec(version="0"):
             "/v1/messages": _post("Anthropic Messages", "MessagesRequest", "Message", "AnthropicError"),
             "/v1/messages/count_tokens": _post(
                 "Anthropic token count", "CountTokensRequest", "TokenCount", "AnthropicError", stream=False),
+            "/v1/responses": _post("OpenAI Responses (stored per worker for GET and previous_response_id)",
+                                   "ResponseCreateRequest", "Response"),
+            "/v1/responses/{response_id}": {
+                **_get("A stored response of this worker", _json(_ref("Response")), ("response_id",)),
+                **_delete("Forget a stored response", _json(_ref("ResponseDeleted")), ("response_id",))},
             "/v1/models": _get("Installed models", _json(_ref("ModelList"))),
             "/v1/models/{model_id}": _get("One installed model", _json(_ref("Model")), ("model_id",)),
             "/tokenize": _post("Token ids of a prompt or chat, as generation would see them", "TokenizeRequest",
