@@ -1,10 +1,13 @@
 """Engine throughput: prefill tok/s on a 512-token prompt and single-stream greedy decode tok/s.
 
     python tools/bench.py [--model PATH] [--repeats 3] [--device auto|cpu|cuda] [--threads N]
-    python tools/bench.py --vs-llama-cpp [--model GGUF] [--repeats 3] [--llama-python PY] [--json]
+    python tools/bench.py --vs-llama-cpp [--model GGUF] [--repeats 3] [--clients 1,8,16,32]
+        [--llama-server PATH] [--llama-python PY] [--fresh-numba-cache] [--json]
 
---vs-llama-cpp runs the HTTP benchmark of tools/bench_http.py instead (this server against
-llama-cpp-python's, one at a time, same GGUF and threads); see its --help for the other flags.
+--vs-llama-cpp runs the HTTP benchmark of tools/bench_http.py instead: this server against
+llama.cpp's C++ `llama-server` and llama-cpp-python's server, all up at once and measured in
+rotating order, same GGUF and threads, beside this engine's own in-process figure
+(tools/bench_engine_batch.py); see its --help for the other flags.
 
 On a CPU shared with other busy processes, OpenBLAS's worker threads can stall each other; compare
 with --threads 1 (or OPENBLAS_NUM_THREADS=1) and watch the printed load average.
@@ -36,7 +39,7 @@ def parse_args(argv=None):
     p.add_argument("--decode-steps", type=int, default=128)
     p.add_argument("--threads", type=int, default=0, help="BLAS threads (0: library default)")
     p.add_argument("--vs-llama-cpp", action="store_true",
-                   help="HTTP benchmark against llama-cpp-python's server (tools/bench_http.py)")
+                   help="HTTP benchmark against llama.cpp's servers (tools/bench_http.py)")
     return p.parse_args(argv)
 
 

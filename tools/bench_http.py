@@ -1,21 +1,29 @@
-"""Side-by-side HTTP benchmark: this server against llama-cpp-python's server on the same GGUF.
+"""Side-by-side HTTP benchmark: this server against llama.cpp's servers on the same GGUF.
 
-    python tools/bench.py --vs-llama-cpp [--model GGUF] [--repeats 3] [--llama-python PY] [--json]
+    python tools/bench.py --vs-llama-cpp [--model GGUF] [--repeats 3] [--clients 1,8,16,32]
+        [--llama-server PATH] [--llama-python PY] [--fresh-numba-cache] [--json]
 
-The servers run one at a time on loopback (never both loaded while measuring), with the same
-thread count, and get the same prompts: prefill tok/s (512-token prompt, max_tokens=1, TTFT),
-single-stream decode tok/s (128 tokens), aggregate tok/s with p50/p95 latency for 1/4/8/16
-streaming clients (64 tokens each), TTFT of a second chat turn against the first (~600 tokens),
-and the latency of 1-token requests. Prompts differ per request (a random number up front), so no
-prefix cache helps except across the two chat turns. Prints medians (min-max) of the repeats,
-ratios ours/llama.cpp, peak RSS and load average; --json prints one object instead. When
-llama_cpp.server is not importable by --llama-python, only this server is measured.
+The servers are up at once on loopback with the same thread count: this server, llama.cpp's C++
+`llama-server` (-np = --max-batch, the anchor of the ratios) and llama-cpp-python's server when
+--llama-python imports it (a missing one is skipped with a message). Each is started alone first
+and timed cold: launch to /health 200, the first request after it, launch to the first answer,
+and a first burst of --max-batch clients. Then every round runs each workload on every server,
+the order of the servers rotating per round, so the machine's drift is shared: prefill tok/s
+(~512-token prompt, max_tokens 1), single-stream decode tok/s (128 streamed tokens, between the
+first and last chunk), aggregate tok/s with p50/p95 latency for --clients streaming clients (64
+tokens each), TTFT of a second chat turn against the first (~600 tokens), and the TTFT of a
+~12-token prompt one client at a time. Beside the HTTP aggregate at --engine-clients, the same
+load driven in-process on this server's engine alone (tools/bench_engine_batch.py) gives the
+engine-only figure and what the serving path keeps of it. Prompts differ per request (a number
+up front), so no prefix cache helps except across the two chat turns. Prints medians (min-max)
+over rounds, ratios ours/peer, peak RSS and the load average per round; --json prints one object.
 """
 import argparse
 import contextlib
 import os
 import random
 import signal
+import statistics
 import subprocess
 import sys
 import threading
@@ -26,42 +34,58 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import bench_http_load as load  # noqa: E402
-from bench_http_report import OURS, THEIRS, build_report, format_info, format_table, to_json  # noqa: E402
-from bench_http_servers import LlamaCppServer, OurServer  # noqa: E402
+from bench_http_report import ANCHOR, OURS, build_report, format_info, format_table, to_json  # noqa: E402
+from bench_http_servers import CpuMeter, EngineWorker, LlamaCppPythonServer, LlamaServer, OurServer  # noqa: E402
 from turbospark_wsgi.pull import default_model_path  # noqa: E402
 
 DEFAULT_MODEL = str(default_model_path())
+SERVER_NAMES = (OURS, ANCHOR, LlamaCppPythonServer.name)
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=DEFAULT_MODEL)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=3, help="rounds")
+    p.add_argument("--llama-server", default="/opt/llama.cpp/bin/llama-server", help="llama.cpp's C++ server")
+    p.add_argument("--llama-ctx", type=int, default=16384, help="llama-server -c (shared by its -np slots)")
     p.add_argument("--llama-python", default="/opt/llamacpp-venv/bin/python")
     p.add_argument("--python", default=sys.executable, help="python that runs this server's gunicorn")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="compute threads of each server")
     p.add_argument("--blas-threads", type=int, default=0,
                    help="OpenBLAS threads of this server (default: --threads)")
-    p.add_argument("--max-batch", type=int, default=8, help="TURBOSPARK_MAX_BATCH")
-    p.add_argument("--clients", default="1,4,8,16", help="concurrency levels")
+    p.add_argument("--max-batch", type=int, default=8, help="TURBOSPARK_MAX_BATCH and llama-server -np")
+    p.add_argument("--clients", default="1,8,16", help="concurrency levels, e.g. 1,8,16,32")
     p.add_argument("--requests-per-client", type=int, default=2)
-    p.add_argument("--budget", type=float, default=600.0,
-                   help="seconds for the whole run; later repeats are skipped past a server's share")
+    p.add_argument("--engine-clients", type=int, default=8,
+                   help="streams of the engine-only run (0: none); compared with the HTTP level of that count")
+    p.add_argument("--fresh-numba-cache", action="store_true",
+                   help="start this server with an empty numba cache (a fresh install's cold start)")
+    p.add_argument("--budget", type=float, default=1800.0,
+                   help="seconds for the whole run; rounds after the first are skipped past it")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--only", choices=("ours", "llama"), help="measure one server")
+    p.add_argument("--servers", default=",".join(SERVER_NAMES), help="which to measure, comma-separated")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     args = p.parse_args(argv)
-    args.clients = [int(c) for c in args.clients.split(",") if c.strip()]
-    if args.repeats < 1 or not args.clients or min(args.clients) < 1:
+    args.clients = parse_levels(args.clients)
+    args.servers = [s.strip() for s in args.servers.split(",") if s.strip()]
+    if args.repeats < 1 or not args.clients or min(args.clients) < 1 or args.engine_clients < 0:
         p.error("--repeats and --clients must be positive")
+    unknown = set(args.servers) - set(SERVER_NAMES)
+    if unknown or not args.servers:
+        p.error(f"--servers takes {', '.join(SERVER_NAMES)}; got {', '.join(sorted(unknown)) or 'none'}")
     return args
+
+
+def parse_levels(text):
+    """'1,8,16' -> [1, 8, 16]: ascending, without duplicates."""
+    return sorted({int(c) for c in text.split(",") if c.strip()})
 
 
 def log(message):
     print(message, file=sys.stderr, flush=True)
 
 
-def llama_available(python):
+def llama_python_available(python):
     try:
         return subprocess.run([python, "-c", "import llama_cpp.server.app, uvicorn"], capture_output=True,
                               timeout=60).returncode == 0
@@ -70,13 +94,23 @@ def llama_available(python):
 
 
 def servers_to_run(args):
-    servers = [] if args.only == "llama" else [OurServer(args)]
-    if args.only != "ours":
-        if llama_available(args.llama_python):
-            servers.append(LlamaCppServer(args))
+    """The servers asked for that this machine has, in SERVER_NAMES order; the others are named."""
+    servers = []
+    if OURS in args.servers:
+        servers.append(OurServer(args))
+    if ANCHOR in args.servers:
+        if os.access(args.llama_server, os.X_OK):
+            servers.append(LlamaServer(args))
         else:
-            log(f"llama_cpp.server is not importable by {args.llama_python}: measuring this server only")
+            log(f"{args.llama_server} is not an executable: llama-server skipped "
+                "(../shared/tools/build-llama-server.sh builds it)")
+    if LlamaCppPythonServer.name in args.servers:
+        if llama_python_available(args.llama_python):
+            servers.append(LlamaCppPythonServer(args))
+        else:
+            log(f"llama_cpp.server is not importable by {args.llama_python}: llama-cpp-python skipped")
     return servers
+
 
 FILLER = ("The old lighthouse keeper climbed the spiral stairs every evening, counting the steps and "
           "listening to the waves below. Ships passed in the distance, their lights blinking like slow "
@@ -85,17 +119,19 @@ FILLER = ("The old lighthouse keeper climbed the spiral stairs every evening, co
 CHAT_SYSTEM = "You are assistant number {}. Answer in plain words."
 CHAT_USER = "Read this passage, then answer my questions about it.\n\n"
 CHAT_FOLLOW_UP = "Now give the passage a short title."
-OVERHEAD_REQUESTS = 10
+SHORT_REQUESTS = 10
+CONCURRENT_TOKENS = 64
 
 
 @dataclass
 class Plan:
-    """Every prompt of the run, per repeat, so both servers get the same ones."""
-    prefill: list      # [repeat] -> ~512-token prompt
-    decode: list       # [repeat] -> prompt
-    chats: list        # [repeat] -> (system, first user message, follow-up)
-    overhead: list     # [repeat] -> short prompts
-    clients: dict      # level -> [repeat] -> [client] -> prompts
+    """Every prompt of the run, per round, so all servers get the same ones."""
+    prefill: list      # [round] -> ~512-token prompt
+    decode: list       # [round] -> prompt
+    chats: list        # [round] -> (system, first user message, follow-up)
+    short: list        # [round] -> ~12-token prompts
+    clients: dict      # level -> [round] -> [client] -> prompts
+    engine: list       # [round] -> [client] -> prompts (engine-only)
     warmup: dict
 
 
@@ -120,6 +156,10 @@ def counting_prompt(n):
     return f"Counting up from {n}: {n}, {n + 1}, {n + 2}, {n + 3},"
 
 
+def short_prompt(n):
+    return f"Say hello to visitor number {n}."            # ~12 tokens: digits are tokens of their own
+
+
 def make_plan(server, args):
     """Prompts with a distinct 6-digit number up front; long ones sized with the server's tokenizer."""
     numbers = iter(random.Random(args.seed).sample(range(100000, 1000000), 50000))
@@ -138,13 +178,39 @@ def make_plan(server, args):
     def count(k):
         return [counting_prompt(next(numbers)) for _ in range(k)]
 
-    repeats = range(args.repeats)
-    return Plan(prefill=[long() for _ in repeats], decode=[count(1)[0] for _ in repeats],
-                chats=[chat() for _ in repeats],
-                overhead=[[f"Hello {next(numbers)}" for _ in range(OVERHEAD_REQUESTS)] for _ in repeats],
-                clients={c: [[count(args.requests_per_client) for _ in range(c)] for _ in repeats]
-                         for c in args.clients},
+    def streams(n):
+        return [count(args.requests_per_client) for _ in range(n)]
+
+    rounds = range(args.repeats)
+    return Plan(prefill=[long() for _ in rounds], decode=[count(1)[0] for _ in rounds],
+                chats=[chat() for _ in rounds],
+                short=[[short_prompt(next(numbers)) for _ in range(SHORT_REQUESTS)] for _ in rounds],
+                clients={c: [streams(c) for _ in rounds] for c in args.clients},
+                engine=[streams(args.engine_clients) for _ in rounds],
                 warmup={"long": long(), "chat": chat(), "clients": [count(1) for _ in range(args.max_batch)]})
+
+
+def rotation(items, r):
+    """items in the order of round r: each round starts one further along."""
+    k = r % len(items) if items else 0
+    return items[k:] + items[:k]
+
+
+# ---- cold start -------------------------------------------------------------------------------
+
+COLD_NUMBER = 123456
+
+
+def cold_start(server, args, metrics):
+    """Right after the server first answers /health (nothing has run yet): the first request, then
+    a first burst of max_batch clients, where kernels of new batch sizes first run."""
+    metrics["ready_s"].append(server.startup_s)
+    _, first = load.short(server, short_prompt(COLD_NUMBER))
+    metrics["first_request_s"].append(first)
+    metrics["first_answer_s"].append(time.monotonic() - server.launched)
+    burst = [[counting_prompt(COLD_NUMBER + 10 * i)] for i in range(args.max_batch)]
+    metrics["first_burst_tok_s"].append(load.concurrent(server, burst, CONCURRENT_TOKENS)["aggregate_tok_s"])
+    log(f"  {server.name}: ready {server.startup_s:.1f} s, first request {first:.2f} s")
 
 
 def warm_up(server, plan):
@@ -155,99 +221,224 @@ def warm_up(server, plan):
     load.concurrent(server, plan.warmup["clients"], 8)
 
 
-def one_repeat(server, plan, r, args, metrics, over_budget):
-    single_stream(server, plan, r, metrics)
-    for level in args.clients:
-        if over_budget():
-            log(f"{server.name}: over budget, {level}+ clients skipped")
-            return
-        with timed(server, f"{level} clients"):
-            result = load.concurrent(server, plan.clients[level][r], 64)
+# ---- the workloads of a round -----------------------------------------------------------------
+
+def prefill(server, plan, r, metrics):
+    tok_s, n = load.prefill(server, plan.prefill[r])
+    metrics["prefill_tok_s"].append(tok_s)
+    metrics["prefill_prompt_tokens"].append(n)
+
+
+def decode(server, plan, r, metrics):
+    tok_s, n = load.decode(server, plan.decode[r], 128)
+    metrics["decode_tok_s"].append(tok_s)
+    metrics["decode_completion_tokens"].append(n)
+
+
+def chat(server, plan, r, metrics):
+    t1, t2 = load.chat_turns(server, *plan.chats[r])
+    metrics["chat_ttft1_s"].append(t1)
+    metrics["chat_ttft2_s"].append(t2)
+    metrics["chat_ttft2_over_1"].append(t2 / t1)
+
+
+def short(server, plan, r, metrics):
+    ttft, total = load.short_series(server, plan.short[r])
+    metrics["short_ttft_s"].append(ttft)
+    metrics["short_latency_s"].append(total)
+
+
+def clients(level):
+    def workload(server, plan, r, metrics):
+        result = load.concurrent(server, plan.clients[level][r], CONCURRENT_TOKENS)
         for key in CONCURRENT_METRICS:
             metrics[f"c{level}_{key}"].append(result[key])
         if result["errors"]:
             metrics[f"c{level}_errors"].append(result["errors"])
+    workload.__name__, workload.level = f"{level} clients", level
+    return workload
 
 
-def single_stream(server, plan, r, metrics):
-    with timed(server, "prefill"):
-        tok_s, n = load.prefill(server, plan.prefill[r])
-    metrics["prefill_tok_s"].append(tok_s)
-    metrics["prefill_prompt_tokens"].append(n)
-    with timed(server, "decode"):
-        tok_s, n = load.decode(server, plan.decode[r], 128)
-    metrics["decode_tok_s"].append(tok_s)
-    metrics["decode_completion_tokens"].append(n)
-    with timed(server, "chat turns"):
-        t1, t2 = load.chat_turns(server, *plan.chats[r])
-    metrics["chat_ttft1_s"].append(t1)
-    metrics["chat_ttft2_s"].append(t2)
-    metrics["chat_ttft2_over_1"].append(t2 / t1)
-    with timed(server, "overhead"):
-        metrics["overhead_s"].append(load.overhead(server, plan.overhead[r]))
+def workloads(args):
+    return [prefill, decode, chat, short, *(clients(level) for level in args.clients)]
 
 
-@contextlib.contextmanager
-def timed(server, what):
-    started = time.monotonic()
-    yield
-    log(f"  {server.name}: {what} {time.monotonic() - started:.1f} s")
+def engine_only(worker, plan, r, metrics, level):
+    """The engine-only aggregate of this round, and the HTTP aggregate at the same count over it."""
+    result = worker.run(plan.engine[r], CONCURRENT_TOKENS)
+    metrics[f"engine_c{level}_aggregate_tok_s"].append(result["aggregate_tok_s"])
+    http = metrics.get(f"c{level}_aggregate_tok_s") or []
+    if len(http) > r and http[r] and result["aggregate_tok_s"]:
+        metrics[f"c{level}_http_over_engine"].append(http[r] / result["aggregate_tok_s"])
 
 
-METRICS = ("prefill_tok_s", "decode_tok_s", "chat_ttft1_s", "chat_ttft2_s", "chat_ttft2_over_1", "overhead_s",
-           "prefill_prompt_tokens", "decode_completion_tokens")
+METRICS = ("prefill_tok_s", "decode_tok_s", "chat_ttft1_s", "chat_ttft2_s", "chat_ttft2_over_1",
+           "short_ttft_s", "short_latency_s")
+COLD_METRICS = ("ready_s", "first_request_s", "first_answer_s", "first_over_warm", "first_burst_tok_s")
+COUNT_METRICS = ("prefill_prompt_tokens", "decode_completion_tokens")
 CONCURRENT_METRICS = ("aggregate_tok_s", "p50_s", "p95_s", "tokens")
 HARD_LIMIT = 1.5
-MIN_SHARE = 120.0
 
 
-def measure(server, plan, args, budget):
-    """Starts the server, warms it up, runs the repeats within its budget, always stops it.
-
-    -> (result, plan); the first server measured builds the plan with its tokenizer. A failure is
-    kept in the result's info, so the other server is still measured."""
-    metrics = _defaulting({name: [] for name in METRICS})
-    metrics.update({f"c{c}_{k}": [] for c in args.clients for k in CONCURRENT_METRICS})
-    info = {"load_start": os.getloadavg()[0], "started": time.monotonic()}
-    # NOTE(watchdog): the budget is checked between workloads; past 1.5x of it the server is stopped,
-    # so its requests fail at once and the run stays bounded on a machine slower than expected.
-    watchdog = threading.Timer(HARD_LIMIT * budget, _stop_late, (server, info))
-    watchdog.daemon = True
-    watchdog.start()
-    try:
-        with server:
-            info["startup_s"] = server.startup_s
-            plan = plan or make_plan(server, args)
-            run_repeats(server, plan, args, metrics, info, time.monotonic() + budget)
-            info["peak_rss_mib"] = server.peak_rss_mib()
-    except Exception as exc:        # noqa: BLE001 -- reported, and the run goes on
-        info["error"] = f"{type(exc).__name__}: {exc}"
-        log(f"{server.name}: failed: {info['error']}\n{server.tail()}")
-    finally:
-        watchdog.cancel()
-    info["load_end"] = os.getloadavg()[0]
-    info["wall_s"] = round(time.monotonic() - info.pop("started"), 1)
-    return {"metrics": dict(metrics), "info": info}, plan
+def new_metrics(args, ours):
+    """Empty per-round lists in the order the table shows them."""
+    names = list(METRICS)
+    for level in args.clients:
+        names += [f"c{level}_{k}" for k in CONCURRENT_METRICS]
+        if ours and level == args.engine_clients:
+            names += [f"engine_c{level}_aggregate_tok_s", f"c{level}_http_over_engine"]
+    names += [*COLD_METRICS, *COUNT_METRICS, "others_cpu_cores"]
+    return _defaulting({name: [] for name in names})
 
 
-def _stop_late(server, info):
-    info["stopped_after_s"] = round(time.monotonic() - info["started"], 1)
-    log(f"{server.name}: still running at {HARD_LIMIT}x its budget: stopping it")
-    info["peak_rss_mib"] = server.peak_rss_mib()
-    server.stop()
+def first_over_warm(metrics):
+    """The cold first request over the median warm request of the same shape."""
+    warm = metrics["short_latency_s"]
+    if metrics["first_request_s"] and warm:
+        metrics["first_over_warm"].append(metrics["first_request_s"][0] / statistics.median(warm))
 
 
-def run_repeats(server, plan, args, metrics, info, deadline):
-    with timed(server, "warm-up"):
-        warm_up(server, plan)
-    for r in range(args.repeats):
-        if r and time.monotonic() > deadline:
-            info["skipped_repeats"] = args.repeats - r
-            log(f"{server.name}: over budget, {args.repeats - r} repeats skipped")
+# ---- the run ----------------------------------------------------------------------------------
+
+class Run:
+    """The servers of one run, their metrics and info; `fail` takes a server out of the rounds."""
+
+    def __init__(self, args, servers):
+        self.args, self.servers = args, servers
+        self.metrics = {s.name: new_metrics(args, s.name == OURS) for s in servers}
+        self.info = {s.name: {} for s in servers}
+        self.alive = list(servers)
+        self.processes = list(servers)      # what the watchdog stops: the servers and the engine worker
+        self.meta = {"load_start": os.getloadavg()[0], "load_per_round": []}
+        self.others = {s.name: [0.0, 0.0] for s in servers}    # CPU s of other processes, wall s
+
+    def own_pids(self):
+        return [os.getpid(), *(pid for process in self.processes for pid in process.pids())]
+
+    def contention(self, server):
+        """Cores that other processes used on average during the server's workloads since the last call."""
+        others, wall = self.others[server.name]
+        self.others[server.name] = [0.0, 0.0]
+        return others / wall if wall > 0 else None
+
+    def fail(self, server, exc):
+        self.info[server.name]["error"] = f"{type(exc).__name__}: {exc}"
+        log(f"{server.name}: failed: {self.info[server.name]['error']}\n{server.tail()}")
+        if server in self.alive:
+            self.alive.remove(server)
+
+    def attempt(self, server, what, work, *a):
+        """Runs one piece of work on a server still alive; a failure is that server's alone."""
+        if server not in self.alive:
             return
-        log(f"{server.name}: repeat {r + 1}/{args.repeats}")
-        info.setdefault("load_per_repeat", []).append(round(os.getloadavg()[0], 2))
-        one_repeat(server, plan, r, args, metrics, lambda: time.monotonic() > deadline)
+        started, meter = time.monotonic(), CpuMeter(self.own_pids())
+        try:
+            work(server, *a)
+        except Exception as exc:        # noqa: BLE001 -- reported, and the others go on
+            self.fail(server, exc)
+            return
+        wall, others = time.monotonic() - started, meter.others()
+        self.others[server.name][0] += others
+        self.others[server.name][1] += wall
+        log(f"  {server.name}: {what} {wall:.1f} s" + (f" (others used {others / wall:.2f} cores)" if wall else ""))
+
+
+def start(run, stack, server):
+    """Starts one server alone and times its cold start; a failure leaves the others running."""
+    log(f"{server.name}: starting")
+    try:
+        stack.enter_context(server)
+    except Exception as exc:        # noqa: BLE001 -- reported, and the others go on
+        run.fail(server, exc)
+        return
+    run.info[server.name]["startup_s"] = round(server.startup_s, 2)
+    run.attempt(server, "cold start", cold_start, run.args, run.metrics[server.name])
+
+
+def start_engine(run, stack):
+    """The engine-only worker, warmed up, when this server is measured and --engine-clients asks."""
+    if not run.args.engine_clients or OURS not in run.metrics:
+        return None
+    worker = EngineWorker(run.args)
+    run.processes.append(worker)
+    try:
+        stack.enter_context(worker)
+        worker.run([[counting_prompt(COLD_NUMBER + 1000 + i)] for i in range(run.args.engine_clients)], 8)
+    except Exception as exc:        # noqa: BLE001 -- the HTTP side is still measured
+        run.info[OURS]["engine_error"] = f"{type(exc).__name__}: {exc}"
+        log(f"engine-only: failed: {run.info[OURS]['engine_error']}")
+        return None
+    return worker
+
+
+def rounds(run, plan, worker, deadline):
+    ours = run.metrics.get(OURS)
+    for r in range(run.args.repeats):
+        if r and time.monotonic() > deadline:
+            run.meta["skipped_rounds"] = run.args.repeats - r
+            log(f"over budget: {run.args.repeats - r} rounds skipped")
+            return
+        order = rotation(run.servers, r)
+        log(f"round {r + 1}/{run.args.repeats}: {', '.join(s.name for s in order)}")
+        run.meta["load_per_round"].append(round(os.getloadavg()[0], 2))
+        for server in order:
+            run.contention(server)          # from here on: this round's
+        for workload in workloads(run.args):
+            for server in order:
+                run.attempt(server, workload.__name__, workload, plan, r, run.metrics[server.name])
+            if worker and getattr(workload, "level", None) == run.args.engine_clients:
+                run_engine_only(run, worker, plan, r, ours)     # next to the HTTP figure it is compared with
+        if worker and run.args.engine_clients not in run.args.clients:
+            run_engine_only(run, worker, plan, r, ours)
+        for server in run.alive:
+            run.metrics[server.name]["others_cpu_cores"].append(run.contention(server))
+
+
+def run_engine_only(run, worker, plan, r, metrics):
+    started = time.monotonic()
+    try:
+        engine_only(worker, plan, r, metrics, run.args.engine_clients)
+    except Exception as exc:        # noqa: BLE001 -- the HTTP side is still measured
+        run.info[OURS]["engine_error"] = f"{type(exc).__name__}: {exc}"
+        log(f"engine-only: failed: {run.info[OURS]['engine_error']}")
+        return
+    log(f"  engine-only: {run.args.engine_clients} streams {time.monotonic() - started:.1f} s")
+
+
+def measure(args, servers):
+    """Starts every server (each alone, timed cold), builds the plan, warms them up, runs the
+    rounds within the budget and always stops them all. -> Run."""
+    run = Run(args, servers)
+    started = time.monotonic()
+    with contextlib.ExitStack() as stack:
+        # NOTE(watchdog): the budget is checked between rounds; past 1.5x of it every server is
+        # stopped, so their requests fail at once and the run stays bounded on a slow machine.
+        watchdog = threading.Timer(HARD_LIMIT * args.budget, _stop_late, (run,))
+        watchdog.daemon = True
+        watchdog.start()
+        stack.callback(watchdog.cancel)
+        for server in servers:
+            start(run, stack, server)
+        worker = start_engine(run, stack)
+        if run.alive:
+            plan = make_plan(run.alive[0], args)
+            for server in list(run.alive):
+                run.attempt(server, "warm-up", warm_up, plan)
+            rounds(run, plan, worker, started + args.budget)
+        for server in servers:
+            first_over_warm(run.metrics[server.name])
+            run.info[server.name]["peak_rss_mib"] = server.peak_rss_mib()
+        if worker:
+            run.info[OURS]["engine_peak_rss_mib"] = worker.peak_rss_mib()
+    run.meta["load_end"] = os.getloadavg()[0]
+    return run
+
+
+def _stop_late(run):
+    log(f"still running at {HARD_LIMIT}x the budget: stopping every server")
+    run.meta["stopped_late"] = True
+    for process in run.processes:
+        process.stop()
 
 
 class _defaulting(dict):
@@ -256,19 +447,25 @@ class _defaulting(dict):
         return self[key]
 
 
-def run(args):
-    started = time.monotonic()
-    servers = servers_to_run(args)
-    plan, results = None, {}
-    for i, server in enumerate(servers):
-        share = max(MIN_SHARE, (args.budget - (time.monotonic() - started)) / (len(servers) - i))
-        log(f"{server.name}: starting (budget {share:.0f} s)")
-        results[server.name], plan = measure(server, plan, args, share)
-    meta = {"model": args.model, "repeats": args.repeats, "threads": args.threads,
-            "max_batch": args.max_batch,
+def report_of(args, run, wall_s):
+    meta = {"model": args.model, "repeats": args.repeats, "threads": args.threads, "max_batch": args.max_batch,
             "clients": args.clients, "requests_per_client": args.requests_per_client,
-            "cpu_count": os.cpu_count(), "wall_s": round(time.monotonic() - started, 1)}
+            "engine_clients": args.engine_clients, "fresh_numba_cache": args.fresh_numba_cache,
+            "cpu_count": os.cpu_count(), "cpu": cpu_name(), "wall_s": round(wall_s, 1), **run.meta}
+    # NOTE(order): a metric any server has, for every server that has it listed (empty where it
+    # failed), so the table keeps the workloads' order whichever server failed
+    measured = {k for m in run.metrics.values() for k, v in m.items() if v}
+    results = {s.name: {"metrics": {k: v for k, v in run.metrics[s.name].items() if k in measured},
+                        "info": run.info[s.name]} for s in run.servers}
     return build_report(meta, results)
+
+
+def cpu_name():
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), None)
+    except OSError:
+        return None
 
 
 def _terminate(signum, frame):
@@ -280,15 +477,20 @@ def main(argv=None):
     if not os.path.isfile(args.model):
         sys.exit(f"model not found: {args.model}")
     signal.signal(signal.SIGTERM, _terminate)
-    report = run(args)
+    started = time.monotonic()
+    servers = servers_to_run(args)
+    if not servers:
+        sys.exit("no server to measure")
+    report = report_of(args, measure(args, servers), time.monotonic() - started)
     if args.json:
         print(to_json(report))
         return report
-    print(f"model {args.model}; {args.threads} threads each; repeats {args.repeats}; "
-          f"wall {report['meta']['wall_s']} s")
+    print(f"model {args.model}; {report['meta']['cpu']}; {args.threads} threads each; max batch / -np "
+          f"{args.max_batch}; {args.repeats} rounds, rotating order; wall {report['meta']['wall_s']} s; "
+          f"{time.strftime('%Y-%m-%d %H:%M %Z')}")
     print(format_info(report))
     print(format_table(report))
-    if THEIRS not in report["servers"] or OURS not in report["servers"]:
+    if not report["peer_ratios"]:
         print("(one server only: no ratios)")
     return report
 

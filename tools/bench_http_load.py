@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from bench_http_report import decode_rate, percentile
 
 TIMEOUT = 300.0
+SHORT_TOKENS = 8
 
 
 @dataclass
@@ -147,14 +148,16 @@ def chat_turns(target, system, user1, user2, max_tokens=32):
     return first.ttft, second.ttft
 
 
-def overhead(target, prompts):
-    """Median latency of non-streaming 1-token completions of short prompts."""
-    times = []
-    for prompt in prompts:
-        start = time.perf_counter()
-        post_json(target.port, "/v1/completions", {"prompt": prompt, "max_tokens": 1, "temperature": 0})
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+def short(target, prompt, max_tokens=SHORT_TOKENS):
+    """-> (time to first token, whole request) of one streamed completion of a short prompt."""
+    s = _checked(stream(target.port, "/v1/completions", completion_body(prompt, max_tokens)))
+    return s.ttft, s.total
+
+
+def short_series(target, prompts, max_tokens=SHORT_TOKENS):
+    """-> (median TTFT, median whole request) of short prompts sent one at a time."""
+    times = [short(target, p, max_tokens) for p in prompts]
+    return statistics.median(t for t, _ in times), statistics.median(total for _, total in times)
 
 
 def concurrent(target, client_prompts, max_tokens):

@@ -1,46 +1,56 @@
 """Statistics and the side-by-side report of tools/bench_http.py: pure functions, no servers.
 
-A result per server is {"metrics": {name: [one value per repeat]}, "info": {...}}. Metric names
-ending in "tok_s" are rates (higher is better); those ending in "_tokens" or "_errors" are counts
-(not compared); every other metric is a time or a time ratio (lower is better). Ratios are
-ours / theirs of the medians.
+A result per server is {"metrics": {name: [one value per round]}, "info": {...}}. Metric names
+ending in "tok_s" or "_over_engine" are rates (higher is better); those ending in "_tokens",
+"_errors" or "_cores" are counts and load (not compared); every other metric is a time or a time ratio (lower is
+better). Ratios are ours / a peer's of the medians: `ratios` against the anchor (llama.cpp's
+`llama-server`), `peer_ratios` against every peer measured.
 """
 import json
 import statistics
 
-OURS, THEIRS = "turbospark", "llama.cpp"
+OURS, ANCHOR = "turbospark", "llama-server"
 
 LABELS = {
-    "prefill_tok_s": "prefill tok/s (512-token prompt, TTFT)",
-    "decode_tok_s": "single-stream decode tok/s",
+    "prefill_tok_s": "prefill tok/s (~512-token prompt, max_tokens 1)",
+    "decode_tok_s": "single-stream decode tok/s (128 tokens)",
     "chat_ttft1_s": "chat turn 1 TTFT s (~600 tokens)",
     "chat_ttft2_s": "chat turn 2 TTFT s",
     "chat_ttft2_over_1": "chat TTFT turn2 / turn1",
-    "overhead_s": "1-token request latency s (median)",
+    "short_ttft_s": "TTFT s, ~12-token prompt, one client (median)",
+    "short_latency_s": "whole request s, same, 8 tokens (median)",
     "prefill_prompt_tokens": "prefill prompt tokens",
     "decode_completion_tokens": "decode completion tokens",
+    "ready_s": "cold: launch to /health 200 s",
+    "first_request_s": "cold: first request after 200 s",
+    "first_answer_s": "cold: launch to first answer s",
+    "first_over_warm": "cold: first request / warm one",
+    "first_burst_tok_s": "cold: first max-batch burst, aggregate tok/s",
+    "others_cpu_cores": "CPU of other processes meanwhile (cores)",
 }
 
 
 def label(name):
-    """Human-readable name of a metric; concurrency metrics are c<N>_aggregate_tok_s, c<N>_p50_s, ..."""
+    """Human-readable name of a metric; concurrency metrics are c<N>_aggregate_tok_s, c<N>_p50_s, ...,
+    engine-only ones engine_c<N>_aggregate_tok_s and c<N>_http_over_engine."""
     if name in LABELS:
         return LABELS[name]
-    level, _, rest = name.partition("_")
+    engine = name.startswith("engine_")
+    level, _, rest = name.removeprefix("engine_").partition("_")
     kinds = {"aggregate_tok_s": "aggregate tok/s", "p50_s": "p50 latency s", "p95_s": "p95 latency s",
-             "tokens": "completion tokens", "errors": "failed requests"}
+             "tokens": "completion tokens", "errors": "failed requests", "http_over_engine": "over HTTP / engine-only"}
     if level.startswith("c") and level[1:].isdigit() and rest in kinds:
-        return f"{level[1:]:>2} clients: {kinds[rest]}"
+        return f"{level[1:]:>2} {'streams engine-only' if engine else 'clients'}: {kinds[rest]}"
     return name
 
 
 def higher_is_better(name):
-    return name.endswith("tok_s")
+    return name.endswith(("tok_s", "_over_engine"))
 
 
 def is_count(name):
-    """Token and error counts: reported, never compared."""
-    return name.endswith(("_tokens", "_errors"))
+    """Token and error counts, and the machine's other load: reported, never compared."""
+    return name.endswith(("_tokens", "_errors", "_cores"))
 
 
 def percentile(values, q):
@@ -85,14 +95,17 @@ def metric_names(servers):
 
 
 def build_report(meta, servers):
-    """The JSON-ready report: meta, per-server summaries and info, and ours/theirs ratios."""
-    report = {"meta": meta, "servers": {}, "ratios": {}}
+    """The JSON-ready report: meta, per-server summaries and info, ours/anchor and ours/peer ratios."""
+    report = {"meta": meta, "servers": {}, "ratios": {}, "peer_ratios": {}}
     for name, result in servers.items():
         summaries = {m: dict(values=list(v), **(summarize(v) or {})) for m, v in result["metrics"].items()}
         report["servers"][name] = {"metrics": summaries, "info": result["info"]}
-    if OURS in servers and THEIRS in servers:
-        for metric in (m for m in metric_names(servers) if not is_count(m)):
-            report["ratios"][metric] = ratio(_median(report, OURS, metric), _median(report, THEIRS, metric))
+    if OURS in servers:
+        for peer in (p for p in servers if p != OURS):
+            report["peer_ratios"][peer] = {
+                metric: ratio(_median(report, OURS, metric), _median(report, peer, metric))
+                for metric in metric_names(servers) if not is_count(metric)}
+    report["ratios"] = report["peer_ratios"].get(ANCHOR, {})
     return report
 
 
@@ -110,23 +123,27 @@ def _fixed(value, digits=2):
     return "-" if value is None else f"{value:.{digits}f}"
 
 
-def _cell(summary, count=False):
+def _cell(summary):
     if not summary or summary.get("median") is None:
         return "-"
-    fmt = (lambda v: f"{v:g}") if count else _fmt
+
+    def fmt(v):
+        return str(v) if isinstance(v, int) else _fmt(v)      # counts as counted
+
     if summary["n"] == 1:
         return fmt(summary["median"])
     return f"{fmt(summary['median'])} ({fmt(summary['min'])}-{fmt(summary['max'])})"
 
 
 def format_table(report):
-    """The medians (min-max) of each server side by side, with ours/theirs and which way is better."""
+    """The medians (min-max) of each server side by side, ours/peer ratios and which way is better."""
     servers = list(report["servers"])
-    rows = [["metric", *servers, "ours/theirs", "better"]]
+    peers = list(report["peer_ratios"])
+    rows = [["metric", *servers, *(f"ours/{p}" for p in peers), "better"]]
     for metric in metric_names({s: report["servers"][s] for s in servers}):
-        cells = [_cell(report["servers"][s]["metrics"].get(metric), is_count(metric)) for s in servers]
-        r = report["ratios"].get(metric)
-        rows.append([label(metric), *cells, "-" if r is None else f"{r:.2f}x",
+        cells = [_cell(report["servers"][s]["metrics"].get(metric)) for s in servers]
+        ratios = [report["peer_ratios"][p].get(metric) for p in peers]
+        rows.append([label(metric), *cells, *("-" if r is None else f"{r:.2f}x" for r in ratios),
                      "" if is_count(metric) else "higher" if higher_is_better(metric) else "lower"])
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
@@ -136,15 +153,16 @@ def format_table(report):
 
 
 def format_info(report):
-    """One line per server: peak RSS, load average at start and end, startup time, notes."""
-    lines = []
+    """The load average over the run (shared by the servers, measured side by side), then one line
+    per server: peak RSS, startup time, notes."""
+    meta = report["meta"]
+    rounds = ", ".join(_fixed(v) for v in meta.get("load_per_round", ())) or "-"
+    lines = [f"load average {_fixed(meta.get('load_start'))} at start; {rounds} at each round; "
+             f"{_fixed(meta.get('load_end'))} at end ({meta.get('cpu_count', '?')} CPUs)"]
     for name, server in report["servers"].items():
         info = server["info"]
-        parts = [f"peak RSS {_fixed(info.get('peak_rss_mib'), 0)} MiB",
-                 f"load average {_fixed(info.get('load_start'))} -> {_fixed(info.get('load_end'))}",
-                 f"ready in {_fixed(info.get('startup_s'), 1)} s"]
-        shown = ("peak_rss_mib", "load_start", "load_end", "startup_s")
-        parts += [f"{k}={v}" for k, v in info.items() if k not in shown]
+        parts = [f"peak RSS {_fixed(info.get('peak_rss_mib'), 0)} MiB", f"ready in {_fixed(info.get('startup_s'), 1)} s"]
+        parts += [f"{k}={v}" for k, v in info.items() if k not in ("peak_rss_mib", "startup_s")]
         lines.append(f"{name}: " + "; ".join(parts))
     return "\n".join(lines)
 
