@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from turbospark_wsgi.engine import Finish, SamplingParams, Token, load_engine
+from turbospark_wsgi.engine import Finish, FinishReason, SamplingParams, Token, load_engine
 from turbospark_wsgi.engine.model import SMALL_WINDOW
 
 
@@ -115,18 +115,24 @@ def assert_same_run(warm, cold):
 
 
 def check_next_turn_reuses_the_whole_prompt(engine, turn1, follow_up, max_new_tokens, reused=None):
-    """A second turn = turn 1's prompt + its reply + more: a hit on every prompt token of turn 1
-    (not on the reply: decode's K/V are not prefill's bits), and the same run as a cold one.
-    `reused`: the hit expected instead, when turn 1 ends in a short window."""
+    """A second turn = turn 1's prompt + its reply + more: a hit on every prompt token of turn 1,
+    and where decode steps give prefill's bits (model.decode_exact) on every reply token that ran
+    too; the same run as a cold one. `reused`: the hit expected instead on other engines, when
+    turn 1 ends in a short window."""
     params = SamplingParams(temperature=0, max_new_tokens=max_new_tokens, logprobs=3)
     assert engine.prefill_chunk > SMALL_WINDOW
     if not engine.model.rows_exact:
         pytest.skip("this BLAS gives rows of few-row products other bits: prefixes reuse whole chunks")
     engine.scheduler.slots.clear()
-    reply = [e.id for e in events_of(engine, turn1, params) if isinstance(e, Token)]
+    first = events_of(engine, turn1, params)
+    reply = [e.id for e in first if isinstance(e, Token)]
+    ran = len(reply) - (first[-1].reason == FinishReason.LENGTH)    # a last token cut by length never ran
     turn2 = turn1 + reply + follow_up
     warm = events_of(engine, turn2, params)
-    assert warm[-1].cached_tokens == (len(turn1) if reused is None else reused)
+    if engine.model.decode_exact:
+        assert warm[-1].cached_tokens == len(turn1) + ran
+    else:
+        assert warm[-1].cached_tokens == (len(turn1) if reused is None else reused)
     assert len(turn1) % engine.prefill_chunk
     engine.scheduler.slots.clear()
     cold = events_of(engine, turn2, params)
@@ -151,3 +157,24 @@ def test_quantized_default_model_reuses_every_prompt_token_exactly(default_gguf)
     engine = load_engine(default_gguf, device="cpu", max_batch=2)
     turn1 = engine.encode("You are a helpful assistant. " * 30 + "Tell me about the sea.", add_bos=False)
     check_next_turn_reuses_the_whole_prompt(engine, turn1, engine.encode(" And the sky?", add_bos=False), 6)
+
+
+def test_a_reply_is_reused_like_prompt_tokens_and_the_next_turn_equals_a_cold_run(engine):
+    if not engine.model.decode_exact:
+        pytest.skip("decode steps here do not give the bits a prefill gives (no fused CPU kernels)")
+    prompt = prompts_for(engine, 3)[2]
+    params = SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True, logprobs=3)
+
+    def events(p):
+        return [e for e in engine.generate(p, params) if isinstance(e, (Token, Finish))]
+
+    engine.scheduler.slots.clear()
+    reply = [e.id for e in events(prompt) if isinstance(e, Token)]
+    turn2 = prompt + reply + prompts_for(engine, 2)[1][1:]          # history, the reply, a new message
+    warm = events(turn2)
+    assert warm[-1].cached_tokens == len(prompt) + len(reply) - 1   # the last reply token never ran
+    engine.scheduler.slots.clear()
+    cold = events(turn2)
+    assert cold[-1].cached_tokens == 0
+    assert [(e.id, e.logprob, e.top_logprobs) for e in warm[:-1]] == \
+           [(e.id, e.logprob, e.top_logprobs) for e in cold[:-1]]

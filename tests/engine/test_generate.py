@@ -28,6 +28,7 @@ class ScriptedModel:
     """Next token = script[position]; logits favour it strongly. Records every forward call."""
 
     rows_exact = False          # prefixes are reused in whole aligned chunks
+    decode_exact = False        # and never a reply
 
     def __init__(self, script):
         self.script = script

@@ -131,3 +131,18 @@ def test_forward_refuses_overflow_and_empty_input(tiny_gguf):
         m.forward([], cache)
     assert cache.length == 0
     assert m.forward([1, 2], cache, logits="all").shape == (2, m.cfg.vocab_size)
+
+
+@pytest.mark.parametrize("T, pos, H, G", [(1, 0, 4, 2), (1, 9, 6, 3), (300, 0, 4, 2), (140, 37, 6, 1), (5, 3, 4, 4)])
+def test_fused_attention_matches_naive_and_its_rows_depend_only_on_their_position(T, pos, H, G):
+    from turbospark_wsgi.engine import kernels_cpu
+    if not kernels_cpu.AVAILABLE:
+        pytest.skip("needs numba")
+    rng = np.random.default_rng(T + pos)
+    q = rng.standard_normal((T, H, 8)).astype(np.float32)
+    keys = rng.standard_normal((pos + T + 7, G, 8)).astype(np.float32)   # keys past the last row: never read
+    vals = rng.standard_normal((pos + T + 7, G, 8)).astype(np.float32)
+    whole = kernels_cpu.attend(q, keys, vals, pos)
+    assert np.abs(whole - naive_attention(q, keys, vals, pos)).max() < 1e-5
+    for a, b in [(0, 1), (T // 3, T // 2 + 1), (T - 1, T)]:
+        assert np.array_equal(kernels_cpu.attend(q[a:b], keys, vals, pos + a), whole[a:b]), (a, b)

@@ -28,18 +28,20 @@ class Slot:
     """One KV cache and the token ids whose K/V it holds. The first `exact` ids hold K/V that a run
     without the cache would compute bit for bit, so a later prompt that starts with them reuses them.
 
-    Which ids are exact depends on the model. Where `model.rows_exact`, every position of a prompt
-    of more than SMALL_WINDOW tokens: such prompts run all their rows on the row-exact GEMM path, in
-    any pieces (reused in whole tokens). Otherwise only whole prefill chunks aligned to multiples of
-    the chunk size (reused in whole chunks). Positions of short prompts and of decode steps (the
-    reply) never are: they run on few-row kernels whose bits differ from the GEMM's."""
+    Which ids are exact depends on the model. Where `model.decode_exact` (quantized products and
+    fused attention on the CPU: every row computed on its own), every position, the reply's decode
+    steps included. Else where `model.rows_exact`, every position of a prompt of more than
+    SMALL_WINDOW tokens: such prompts run all their rows on the row-exact path, in any pieces
+    (reused in whole tokens), while short prompts and decode steps run on few-row products whose
+    bits differ. Otherwise only whole prefill chunks aligned to multiples of the chunk size."""
 
-    __slots__ = ("cache", "ids", "exact", "busy", "used", "granule")
+    __slots__ = ("cache", "ids", "exact", "busy", "used", "granule", "every_row")
 
-    def __init__(self, cache, granule):
+    def __init__(self, cache, granule, every_row=False):
         self.cache, self.ids, self.exact, self.busy, self.used = cache, [], 0, False, 0
         self.granule = granule      # 1 where any prefix is exact, else the prefill chunk (also
                                     # when chunks are short windows themselves)
+        self.every_row = every_row  # short prompts and decode steps are exact too
 
     def reusable(self, prompt):
         # NOTE(prefix-cache): the last prompt token always runs, so there are logits to sample from
@@ -60,7 +62,13 @@ class Slot:
         if self.granule > 1:                                            # whole aligned chunks
             return prompt[start:start - start % chunk + chunk], False
         end = start + chunk if n - (start + chunk) > SMALL_WINDOW else n   # no short tail call
-        return prompt[start:end], n > SMALL_WINDOW
+        return prompt[start:end], n > SMALL_WINDOW or self.every_row
+
+    def decoded(self, token):
+        """Records that a decode step put `token`'s K/V at the next position."""
+        self.ids.append(token)
+        if self.every_row and self.exact == len(self.ids) - 1:
+            self.exact = len(self.ids)
 
     def prefill(self, model, piece, logits, rows):
         """Runs prompt tokens `piece` after the held ones, on the row-exact path if `rows`, and
@@ -109,6 +117,9 @@ class Sequence:
             raise FloatingPointError("the model's logits for this sequence are not finite")
         token, logprob, top = self.sampler(logits)
         if token in self.end_ids:
+            if self.params.logprobs is not None:
+                # NOTE(eos): with logprobs the end token is listed too (no text): every sampled token is
+                self.events.append(Token(token, "", logprob, top))
             return self._end(FinishReason.STOP)
         self.completion += 1
         text, matched = self.stops.feed(self.decoder.push(token))
@@ -191,8 +202,9 @@ class Scheduler:
         best = max(free, key=lambda s: (s.reusable(prompt), -s.used), default=None)
         if best is None or best.reusable(prompt) == 0:
             if len(self.slots) < self.max_batch:
-                granule = 1 if self.chunk > SMALL_WINDOW and self.model.rows_exact else self.chunk
-                best = Slot(self.model.new_cache(self.max_context), granule)
+                every_row = self.model.decode_exact
+                granule = 1 if every_row or (self.chunk > SMALL_WINDOW and self.model.rows_exact) else self.chunk
+                best = Slot(self.model.new_cache(self.max_context), granule, every_row)
                 self.slots.append(best)
             elif best is not None:
                 best = min(free, key=lambda s: s.used)
@@ -240,7 +252,7 @@ class Scheduler:
         tokens = [s.pending for s in seqs]
         logits = self.model.decode_batch(tokens, [s.slot.cache for s in seqs])   # [B, vocab]
         for seq, token, row in zip(seqs, tokens, logits):
-            seq.slot.ids.append(token)
+            seq.slot.decoded(token)
             _isolated(seq, seq.accept, row)
 
     def _fail(self, error):

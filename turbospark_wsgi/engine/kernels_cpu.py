@@ -1,10 +1,12 @@
 """Multi-threaded CPU kernels (numba) for y = x @ W.T with W held as tiled quantized blocks.
 
-Batches up to GEMV_MAX_B rows (decode) run fused dequantize-and-dot kernels: each SIMD lane is
-one output row (see quant.QWeight), so there are no horizontal sums, and the weights are streamed
-from memory once per call (for B >= 3 each block is unpacked once into a small float32 tile that
-all rows reuse). Larger batches (prefill) dequantize slabs of W.T to float32 and hand them to BLAS. Activations stay float32: the results equal the dequantize-then-matmul reference up
-to float32 summation order.
+Up to GEMV_MAX_B rows (decode steps and prefill chunks) run fused dequantize-and-dot kernels:
+each SIMD lane is one output row (see quant.QWeight), so there are no horizontal sums, and the
+weights are streamed from memory once per call (each block is unpacked once into a small float32
+tile that all rows reuse; q8 with B <= 2 unpacks per row). A row's result never depends on the
+rows beside it. Larger calls dequantize slabs of W.T to float32 and hand them to BLAS. Activations
+stay float32: the results equal the dequantize-then-matmul reference up to float32 summation
+order. `attend` is causal attention computed row by row, for prompts and decode steps alike.
 """
 import os
 import threading
@@ -47,29 +49,6 @@ if AVAILABLE:
     _JIT = dict(parallel=True, fastmath=True, cache=True, nogil=True)
 
     @njit(**_JIT)
-    def _q4_gemv(x, xsum, qs, d, m, y):   # pragma: no cover - compiled
-        # x [B, K]; xsum [B, K/32]; qs [T, K/32, 16, R] u8; d, m [T, K/32, R]; y [B, T*R]
-        B = x.shape[0]
-        T, nb, _, R = qs.shape
-        for t in prange(T):
-            acc = np.empty(R, np.float32)
-            for i in range(B):
-                acc[:] = 0
-                for b in range(nb):
-                    k, xs = b * 32, xsum[i, b]
-                    for r in range(R):
-                        s = np.float32(0)
-                        for j in range(16):
-                            # NOTE(int32): numba widens integer math to int64; the explicit int32
-                            # casts keep the nibble unpack in 16-lane int32 vectors.
-                            q = np.int32(qs[t, b, j, r])
-                            s += (np.float32(np.int32(q & 15)) * x[i, k + j]
-                                  + np.float32(np.int32(q >> 4)) * x[i, k + 16 + j])
-                        acc[r] += d[t, b, r] * s + m[t, b, r] * xs
-                for r in range(R):
-                    y[i, t * R + r] = acc[r]
-
-    @njit(**_JIT)
     def _q8_gemv(x, qs, d, y):   # pragma: no cover - compiled
         # x [B, K]; qs [T, K/16, 16, R] i8; d [T, K/(16*g), R]; y [B, T*R]
         B = x.shape[0]
@@ -91,7 +70,8 @@ if AVAILABLE:
 
     @njit(**_JIT)
     def _q4_batch(x, xsum, qs, d, m, y):   # pragma: no cover - compiled
-        # as _q4_gemv, but each block is unpacked once into w [32, R] and reused by all B rows
+        # x [B, K]; xsum [B, K/32]; qs [T, K/32, 16, R] u8; d, m [T, K/32, R]; y [B, T*R].
+        # Each block is unpacked once into w [32, R] and reused by all B rows.
         B = x.shape[0]
         T, nb, S, R = qs.shape
         for t in prange(T):
@@ -176,6 +156,50 @@ if AVAILABLE:
                         o[r] = np.float32(np.int32(qj[r])) * db[r]
 
 
+    @njit(**_JIT)
+    def _attend(q, keys, vals, pos0, out):   # pragma: no cover - compiled
+        # q [R, H, D] pre-scaled; keys, vals [n, G, D] (n >= pos0 + R); out [R, H, D].
+        # Row r sits at position p = pos0 + r and reads keys 0..p; query head h reads KV head h // M.
+        R, H, D = q.shape
+        M = H // keys.shape[1]
+        for rh in prange(R * H):
+            r, h = rh // H, rh % H
+            g, p = h // M, pos0 + rh // H
+            qr, o = q[r, h], out[r, h]
+            s = np.empty(p + 1, np.float32)
+            best = np.float32(-np.inf)
+            for j in range(p + 1):
+                kj = keys[j, g]
+                acc = np.float32(0)
+                for d in range(D):
+                    acc += qr[d] * kj[d]
+                s[j] = acc
+                best = max(best, acc)
+            o[:] = 0
+            total = np.float32(0)
+            for j in range(p + 1):
+                e = np.float32(np.exp(s[j] - best))
+                total += e
+                vj = vals[j, g]
+                for d in range(D):
+                    o[d] += e * vj[d]
+            for d in range(D):
+                o[d] /= total
+
+
+def attend(q, keys, vals, pos):
+    """Causal attention of rows q `[T, H, D]` (pre-scaled) at positions pos.. over keys/values
+    `[n, G, D]` (n >= pos + T; query head h reads KV head h // (H/G)) -> `[T, H*D]` float32.
+
+    NOTE(exact-prefix): each row is computed on its own, from its position and the keys up to it,
+    by the same code whatever the call holds: a position gets the same bits in a prefill of any
+    cut and in a decode step, so cached K/V can be reused token by token, a reply's included."""
+    T, H, D = q.shape
+    out = np.empty((T, H, D), np.float32)
+    _attend(np.ascontiguousarray(q, dtype=np.float32), keys, vals, pos, out)
+    return out.reshape(T, H * D)
+
+
 class QLinear:
     """A quantized weight that numpy's `@` accepts on the right: `x @ QLinear(w)` == x @ W.T, with
     x [..., k] float32 -> [..., n]. Stands in for a pre-transposed float32 (k, n) matrix."""
@@ -241,17 +265,17 @@ def qmatmul(x, w, out=None, threads=None, path="auto"):
 def _gemv(x, p, y):
     direct = p.qs.shape[0] * p.tile == p.n and y.flags.c_contiguous
     buf = y if direct else np.empty((x.shape[0], p.qs.shape[0] * p.tile), np.float32)
-    # PERF(batch): B <= 2 re-unpacks the nibbles per row (no temporaries, fastest for decode);
-    # from B = 3 unpacking each block once into a float32 tile was measured 1.7x faster at B = 8.
-    # NOTE(exact-batching): but the q4 tile kernel rounds differently from the per-row one, and a
-    # sequence must get the same numbers alone or in a batch, so q4 always takes the per-row kernel
-    # (whose rows do not depend on B). The q8 kernels agree bit for bit, so q8 keeps the tile path.
-    batch = x.shape[0] > 2 and p.kind != "q4"
+    # NOTE(exact-batching): a sequence must get the same numbers alone or in a batch, and a prompt
+    # position the same in a prefill of any cut or a decode step, so each layout has kernels whose
+    # rows do not depend on B. q4 always takes the tile kernel (each block unpacked once into a
+    # float32 tile all rows reuse): the per-row one rounds differently, and SmolLM2's q4 products
+    # measured 0.96x / 1.05x / 1.23x / 1.55x its speed at B = 1 / 8 / 16 / 128 (2 cores, loaded).
+    # For q8, B <= 2 re-unpacks per row (fastest for decode); the two agree bit for bit.
     if p.kind == "q4":
         xsum = x.reshape(x.shape[0], -1, 32).sum(axis=-1)          # [B, K/32] for the mins
-        (_q4_batch if batch else _q4_gemv)(x, xsum, p.qs, p.d, p.m, buf)
+        _q4_batch(x, xsum, p.qs, p.d, p.m, buf)
     else:
-        (_q8_batch if batch else _q8_gemv)(x, p.qs, p.d, buf)
+        (_q8_batch if x.shape[0] > 2 else _q8_gemv)(x, p.qs, p.d, buf)
     if not direct:
         y[...] = buf[:, :p.n]
 

@@ -1,6 +1,7 @@
 """The transformer forward pass (llama family), written against an array module `xp`."""
 import numpy as np
 
+from . import kernels_cpu
 from .backend import to_host
 from .kv_cache import KVCache
 
@@ -27,6 +28,22 @@ class Transformer:
         self._rope_table(min(cfg.max_seq_len, 4096))                   # grows on demand
 
     @property
+    def fused_attention(self):
+        """Whether attention runs on the CPU kernel that computes every row on its own (numpy
+        backend with numba), the same for prompt rows and decode rows."""
+        return self.xp is np and kernels_cpu.AVAILABLE
+
+    def _prompt_attention(self, q, keys, vals, pos):
+        if self.fused_attention:
+            return kernels_cpu.attend(q, keys, vals, pos)
+        return self._block_attention(q, keys, vals, pos)
+
+    def _decode_attention(self, q, keys, vals, pos):
+        if self.fused_attention:
+            return kernels_cpu.attend(q, keys, vals, pos)
+        return self._attention(q, keys, vals, pos)
+
+    @property
     def rows_exact(self):
         """Whether `forward` gives every prompt position the same K/V bits however the prompt was
         cut into calls, so a cached prefix of any length can be reused exactly.
@@ -38,6 +55,14 @@ class Transformer:
         if self._rows_exact is None:
             self._rows_exact = self.xp is np and _probe_rows_exact(self)
         return self._rows_exact
+
+    @property
+    def decode_exact(self):
+        """Whether a decode step gives its position the K/V bits a prefill gives it, so a reply's
+        tokens can be reused like prompt tokens: every product runs on the quantized kernels
+        (whose rows never depend on the call) and attention on the fused kernel."""
+        products = [getattr(lw, n) for lw in self.w.layers for n in ("wqkv", "wo", "w_gate_up", "w_down")]
+        return self.fused_attention and self.rows_exact and all(hasattr(w, "matmul_rows") for w in products)
 
     def new_cache(self, max_seq=None):
         """An empty KVCache for up to `max_seq` positions (default: the model's context length)."""
@@ -66,7 +91,7 @@ class Transformer:
             qkv = mm(h, lw.wqkv, xp).reshape(T, H + 2 * G, c.head_dim)  # [T, H+2G, D]  q|k|v heads
             qk = rope(qkv[:, :H + G], cos, sin, c.rope_dim, xp)         # [T, H+G, D]  rotated q and k
             keys, vals = cache.update(i, pos, qk[:, H:], qkv[:, H + G:], span)  # [<=span, G, D] each
-            att = self._block_attention(qk[:, :H], keys, vals, pos)     # [T, H*D]
+            att = self._prompt_attention(qk[:, :H], keys, vals, pos)    # [T, H*D]
             x += mm(att, lw.wo, xp)                                     # [T, dim]  residual
             h = rms_norm(x, lw.ffn_norm, c.norm_eps, xp)                # [T, dim]
             x += mm(swiglu(mm(h, lw.w_gate_up, xp), c.ffn_dim, xp), lw.w_down, xp)   # [T, dim]
@@ -99,7 +124,7 @@ class Transformer:
             att = xp.empty((B, 1, H * D), dtype=x.dtype)                # [B, 1, H*D]
             for b, cache in enumerate(caches):
                 keys, vals = cache.update(i, pos[b], qk[b:b + 1, H:], qkv[b:b + 1, H + G:])
-                att[b] = self._attention(qk[b:b + 1, :H], keys, vals, pos[b])
+                att[b] = self._decode_attention(qk[b:b + 1, :H], keys, vals, pos[b])
             x += att @ lw.wo                                            # [B, 1, dim]  residual
             h = rms_norm(x, lw.ffn_norm, c.norm_eps, xp)                # [B, 1, dim]
             x += swiglu(h @ lw.w_gate_up, c.ffn_dim, xp) @ lw.w_down    # [B, 1, dim]  residual
@@ -195,14 +220,15 @@ def _plain_matmul(x, w, xp):
 
 def _probe_rows_exact(model, rows=128):
     """Checks rows_matmul on this model's product shapes: rows taken a few at a time must equal
-    the same rows of one whole product, bit for bit."""
+    the same rows of one whole product, bit for bit (attention's too, unless the fused kernel,
+    exact by construction, runs it)."""
     c, lw = model.cfg, model.w.layers[0]
     rng = np.random.default_rng(0)
     M = c.n_head // c.n_kv_head
     n = 2 * ATTN_BLOCK + 5
     cases = [(rng.standard_normal((rows, w.shape[0]), dtype=np.float32), w)
              for w in (lw.wqkv, lw.wo, lw.w_gate_up, lw.w_down)]
-    cases += [(rng.standard_normal((c.n_kv_head, ATTN_BLOCK * M, c.head_dim), dtype=np.float32),
+    cases += [] if model.fused_attention else [(rng.standard_normal((c.n_kv_head, ATTN_BLOCK * M, c.head_dim), dtype=np.float32),
                rng.standard_normal((c.n_kv_head, n, c.head_dim), dtype=np.float32).transpose(0, 2, 1)),
               (rng.random((c.n_kv_head, ATTN_BLOCK * M, n), dtype=np.float32),
                rng.standard_normal((c.n_kv_head, n, c.head_dim), dtype=np.float32))]
