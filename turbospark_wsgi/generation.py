@@ -116,6 +116,7 @@ class Generation:
         self._echo_text = None if not req.echo else (req.prompt if req.prompt is not None else None)
         self._echo, self._report = req.echo, req.logprobs is not None
         self._cancel, self._ticket, self._keepalive = cancel, ticket, keepalive
+        self._end_listed = req.messages is None   # completions list the end token's logprob
         self._steps = self._pending = None
         self._completion_tokens = 0
         self._lp_pending = []                     # TokenLogprobs whose text is still held back
@@ -301,12 +302,24 @@ class Generation:
             self.finish_reason = event.reason
             if event.reason == FinishReason.CANCELLED:
                 return
-            if event.text or self._lp_pending or (self._report and not self._completion_tokens):
+            completion = self._completion_count(event)
+            if event.text or self._lp_pending or (self._report and not completion):
                 yield TextDelta(event.text, self._take_logprobs(), i)   # logprobs: [] when nothing came
-            self._account(event.completion_tokens or self._completion_tokens, event.cached_tokens)
+            self._account(completion, event.cached_tokens)
             yield Finished(event.reason, self.usage, event.stop_string, i, last)
         elif not isinstance(event, Prefill):
             raise TypeError(f"unexpected engine event {event!r}")
+
+    def _completion_count(self, finish):
+        """Tokens this choice generated. NOTE(eos): with logprobs the engine also sends the end
+        token that stopped the run (one Token more than it counts). Completions list and count it,
+        as OpenAI's legacy API lists `<|endoftext|>`, so echo's tokens are prompt + generated
+        (lm-eval slices on that); the chat routes list no end token."""
+        ended = self._completion_tokens == finish.completion_tokens + 1 and self._lp_pending
+        if ended and not self._end_listed:
+            self._lp_pending.pop()
+            return finish.completion_tokens
+        return max(finish.completion_tokens, self._completion_tokens)
 
     def _take_logprobs(self):
         if self._params.logprobs is None:
