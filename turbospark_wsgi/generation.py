@@ -239,6 +239,10 @@ class Generation:
             event = yield from self._await(compute.submit(next, self._steps, None))
             if event is None:
                 return False
+            if isinstance(event, Finish):
+                # NOTE(slot): closed on the compute thread now, so the next choice (n, best_of) finds
+                # its engine slot free; left to the garbage collector it would close on this thread.
+                self._close_steps()
             for out in self._translate(event, i, last):
                 self._quiet_since = time.monotonic()
                 yield out
@@ -260,11 +264,14 @@ class Generation:
 
     def _end_for_time(self, i, last):
         # NOTE(time-limit): text the engine still holds back (a possible stop string) is dropped.
-        steps, self._steps = self._steps, None
-        compute.run(steps.close)
+        self._close_steps()
         self.time_limited, self.finish_reason = True, FinishReason.LENGTH
         self._account(self._completion_tokens, 0)
         return Finished(FinishReason.LENGTH, self.usage, None, i, last)
+
+    def _close_steps(self):
+        steps, self._steps = self._steps, None
+        compute.run(steps.close)
 
     def _wait_turn(self):
         while not self._ticket.wait(self._keepalive):
