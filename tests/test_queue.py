@@ -44,6 +44,30 @@ def test_over_max_waiting_is_503_with_retry_after():
     queue.enqueue()                                         # room again
 
 
+def test_check_room_refuses_exactly_when_enqueue_would_and_takes_no_place():
+    queue = LockQueue(max_waiting=2, retry_after=3, slots=2)
+    tickets = []
+    for _ in range(4):                                      # two running, then two waiting
+        queue.check_room()                                  # room: a request that fits is never refused
+        tickets.append(queue.enqueue())
+    assert (queue.running, queue.depth) == (2, 2)
+    with pytest.raises(Overloaded) as e:
+        queue.check_room()
+    assert e.value.status == 503 and e.value.headers["Retry-After"] == "3"
+    assert e.value.code == "server_overloaded" and (queue.running, queue.depth) == (2, 2)
+    tickets[2].abandon()                                    # a waiter leaves: room again at once
+    queue.check_room()
+    queue.enqueue()
+
+
+def test_check_room_while_shutting_down_is_the_shutdown_503():
+    queue = LockQueue(max_waiting=4)
+    queue.shut_down()
+    with pytest.raises(Overloaded) as e:
+        queue.check_room()
+    assert e.value.code == "server_shutting_down" and queue.depth == 0
+
+
 def test_max_waiting_zero_admits_only_the_runner():
     queue = LockQueue(max_waiting=0)
     queue.enqueue()

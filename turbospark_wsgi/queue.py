@@ -1,6 +1,7 @@
 """The process-wide FIFO lock queue: up to `slots` generations run (they share batched decode
 steps in the engine), up to `max_waiting` more wait in ticket order.
 
+    queue.check_room()                      # Overloaded at once when full (no place taken, no lock)
     ticket = queue.enqueue(cancel)          # Overloaded (503 + Retry-After) when the queue is full
     while not ticket.wait(keepalive):       # True: this ticket holds the lock
         if ticket.left: return              # cancelled while queued
@@ -100,14 +101,25 @@ class LockQueue:
             self.shutting_down = True
             self._cond.notify_all()
 
+    def check_room(self):
+        """Raises what `enqueue` would raise now (Overloaded: shutting down, or no place left) without
+        taking a place: the cheap first step of admission, before a request costs any work.
+
+        NOTE(race): read without the lock, so a place freed a moment later is missed, as it would be
+        by a request sent a moment earlier; `enqueue` stays the definitive check.
+        """
+        if self.shutting_down:
+            raise _shutting_down(self.retry_after)
+        if self._full():
+            raise self._busy()
+
     def enqueue(self, cancel=None):
         """A new ticket at the back of the queue; Overloaded when `max_waiting` are already waiting."""
         with self._condition():
             if self.shutting_down:
                 raise _shutting_down(self.retry_after)
-            if len(self._tickets) >= self.slots and self.depth >= self.max_waiting:
-                raise Overloaded(f"the server is busy: {self.depth} requests are already waiting",
-                                 retry_after=self.retry_after)
+            if self._full():
+                raise self._busy()
             deadline = time.monotonic() + self.timeout if self.timeout else None
             ticket = Ticket(self, deadline)
             self._tickets.append(ticket)
@@ -128,6 +140,13 @@ class LockQueue:
             yield ticket
         finally:
             ticket.release()
+
+    def _full(self):
+        return len(self._tickets) >= self.slots and self.depth >= self.max_waiting
+
+    def _busy(self):
+        return Overloaded(f"the server is busy: {self.depth} requests are already waiting",
+                          retry_after=self.retry_after)
 
     def _condition(self):
         if self._cond is None:
