@@ -37,6 +37,7 @@ class ChatCompletions:
         self._max_body = max_body
 
     def on_post(self, req, resp):
+        self._service.check_room()          # NOTE(overload): a full server says so before any work
         # NOTE(order): parse_chat checks everything that needs no model before one is resolved.
         chat = parse_chat(read_json(req, self._max_body))
         plan = plan_for(self._service, chat)

@@ -13,6 +13,7 @@ class Messages:
         self._max_body = max_body
 
     def on_post(self, req, resp):
+        self._service.check_room()          # NOTE(overload): a full server says so before any work
         request = parse_messages_request(read_json(req, self._max_body))
         plan = plan_for(self._service, request)
         events, watcher = begin(self._service, req, generation_request(request, plan))
