@@ -42,7 +42,8 @@ class ChatCompletions:
         chat = parse_chat(read_json(req, self._max_body))
         plan = plan_for(self._service, chat)
         events, watcher = begin(self._service, req, generation_request(chat, plan))
-        reply = ChatReply(events.model_id, chat.include_usage, chat.parallel_tool_calls)
+        # NOTE(model): the name the request used, as every route echoes it (DEVIATIONS.md)
+        reply = ChatReply(chat.model or self._service.default_model, chat.include_usage, chat.parallel_tool_calls)
 
         def make_parser():
             return output_parser(chat, plan)

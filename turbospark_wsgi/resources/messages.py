@@ -18,7 +18,7 @@ class Messages:
         plan = plan_for(self._service, request)
         events, watcher = begin(self._service, req, generation_request(request, plan))
         parser = output_parser(request, plan)
-        reply = MessageReply(events.model_id, request.parallel_tool_calls)
+        reply = MessageReply(request.model or self._service.default_model, request.parallel_tool_calls)
         if request.stream:
             frames = message_stream(reply, parser, events, events.prompt_tokens)
             stream_response(resp, frames, events, watcher, error_event)
