@@ -27,6 +27,8 @@ class FakeEngine:
 
     backend = "fake"
     backend_reason = "test double"
+    add_bos = True                  # the model's rule for raw text (Engine.add_bos)
+    tokenizer = SimpleNamespace(bos_token="<s>", eos_token="</s>")    # what /tokenizer_info reads
 
     def __init__(self, name="fake", reply="Hello world", max_context=64, step_delay=0.0,
                  prefill_delay=0.0, prefill_chunks=1, gate=None, fail_at=None):

@@ -16,7 +16,7 @@ def parse(**body):
 
 def test_a_single_string_prompt_passes_through():
     req, _ = parse(prompt="hi")
-    assert req.prompt == "hi" and req.prompt_ids is None and req.add_bos
+    assert req.prompt == "hi" and req.prompt_ids is None and req.prompts is None and req.add_special
 
 
 def test_a_one_element_array_prompt_unwraps():
@@ -24,16 +24,42 @@ def test_a_one_element_array_prompt_unwraps():
     assert req.prompt == "hi"
 
 
-def test_a_multi_element_array_prompt_is_refused():
-    with pytest.raises(InvalidRequest) as e:
-        parse(prompt=["a", "b"])
-    assert "2" in e.value.message and e.value.param == "prompt"
+def test_a_multi_element_array_prompt_is_a_prompt_list():
+    req, _ = parse(prompt=["a", "b"])
+    assert req.prompts == ["a", "b"] and req.prompt is None and req.prompt_ids is None
+    req, _ = parse(prompt=[[5, 6], [7]])
+    assert req.prompts == [[5, 6], [7]]
 
 
 def test_an_empty_array_prompt_is_refused():
     with pytest.raises(InvalidRequest) as e:
         parse(prompt=[])
-    assert "0" in e.value.message
+    assert "empty" in e.value.message and e.value.param == "prompt"
+
+
+def test_a_prompt_list_over_the_limit_is_refused_before_its_items_are_read():
+    assert openai.parse_completion({"prompt": ["a"] * 3}, max_prompts=3)[0].prompts == ["a"] * 3
+    with pytest.raises(InvalidRequest) as e:
+        openai.parse_completion({"prompt": ["a"] * 3 + [None]}, max_prompts=3)
+    assert "at most 3" in e.value.message and "TURBOSPARK_MAX_PROMPTS" in e.value.message and e.value.param == "prompt"
+
+
+@pytest.mark.parametrize("body, special", [
+    ({}, True), ({"add_special_tokens": False}, False), ({"add_special": False}, False),
+    ({"add_special_tokens": True, "add_special": True}, True),
+])
+def test_add_special_tokens_or_add_special_turns_bos_off(body, special):
+    assert parse(prompt="hi", **body)[0].add_special is special
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"add_special_tokens": "no"}, "add_special_tokens"), ({"add_special": 0}, "add_special"),
+    ({"add_special_tokens": False, "add_special": True}, "add_special_tokens"),
+])
+def test_bad_add_special_is_refused(body, param):
+    with pytest.raises(InvalidRequest) as e:
+        parse(prompt="hi", **body)
+    assert e.value.param == param
 
 
 def test_max_tokens_defaults_to_sixteen():
@@ -90,19 +116,21 @@ def test_max_tokens_zero_is_allowed_with_echo():
 
 def test_token_id_prompts_keep_their_ids_and_add_no_bos():
     req, _ = parse(prompt=[5, 6, 7])
-    assert req.prompt_ids == [5, 6, 7] and req.prompt is None and not req.add_bos
+    assert req.prompt_ids == [5, 6, 7] and req.prompt is None
     req, _ = parse(prompt=[[8, 9]])
     assert req.prompt_ids == [8, 9]
 
 
-@pytest.mark.parametrize("prompt, words", [
-    ([[1], [2]], "got 2"), ([[]], "empty"), (["a", 1], "got 2"), ([True], "prompt"), ([-1], "non-negative"),
-    ({"a": 1}, "object"), (5, "integer"), ([["a"]], "prompt"),
+@pytest.mark.parametrize("prompt, words, param", [
+    ([[]], "empty", "prompt[0]"), (["a", 1], "got integer", "prompt[1]"), ([[1], "a"], "got string", "prompt[1]"),
+    ([True], "got boolean", "prompt[0]"), ([-1], "non-negative", "prompt"), ([[1], [-1]], "non-negative", "prompt[1]"),
+    ({"a": 1}, "object", "prompt"), (5, "integer", "prompt"), ([["a"]], "token ids", "prompt[0]"),
+    (["a", None], "got null", "prompt[1]"), ([[1], [2 ** 40]], "non-negative", "prompt[1]"),
 ])
-def test_bad_prompt_shapes_are_refused(prompt, words):
+def test_bad_prompt_shapes_are_refused(prompt, words, param):
     with pytest.raises(InvalidRequest) as e:
         parse(prompt=prompt)
-    assert words in e.value.message and e.value.param == "prompt"
+    assert words in e.value.message and e.value.param == param
 
 
 def test_prompt_is_required():

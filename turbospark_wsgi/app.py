@@ -17,7 +17,7 @@ from .resources.metrics import Metrics
 from .resources.messages import CountTokens, Messages
 from .resources.responses import Responses, ResponseStore, StoredResponse
 from .resources.models import Model, Models
-from .resources.tokenize import Detokenize, Tokenize
+from .resources.tokenize import Detokenize, Tokenize, TokenizerInfo
 from .resources.openapi import OpenApi
 from .schemas import common, openai
 from .service import Service
@@ -71,6 +71,7 @@ def add_routes(app, service, config):
     app.add_route("/health", Health(service))
     app.add_route("/tokenize", Tokenize(service, config.max_body))
     app.add_route("/detokenize", Detokenize(service, config.max_body))
+    app.add_route("/tokenizer_info", TokenizerInfo(service))
     app.add_route("/metrics", Metrics(service))
     app.add_route("/openapi.json", OpenApi())
 

@@ -33,6 +33,23 @@ class KeepAlive:
 
 
 @dataclass(slots=True)
+class Waiting:
+    """Poll mode only (the runs of a PromptBatch): the generation cannot go on before its queue
+    `ticket` is granted or the compute `future` is done; `block(timeout)` waits for either."""
+    ticket: object = None
+    future: object = None
+
+    def block(self, timeout):
+        if self.future is None:
+            self.ticket.wait(timeout)       # Overloaded when the queue's wait timeout passes
+            return
+        try:
+            self.future.exception(timeout=timeout)
+        except Exception:       # noqa: BLE001 - TimeoutError, or (gevent) the step's own error,
+            pass                # which the run raises itself when it next looks
+
+
+@dataclass(slots=True)
 class TokenLogprob:
     token: str                              # the token's text (special tokens by name, bad UTF-8 escaped)
     bytes: bytes
@@ -102,7 +119,7 @@ class Generation:
     first_token_at, finished_at (time.monotonic values or None).
     """
 
-    def __init__(self, engine, ids, params, req, cancel, ticket, keepalive, grammar=None):
+    def __init__(self, engine, ids, params, req, cancel, ticket, keepalive, grammar=None, poll=False):
         self.model_id = engine.name
         self.request_id = req.request_id
         self.prompt_tokens = len(ids)
@@ -116,6 +133,7 @@ class Generation:
         self._echo_text = None if not req.echo else (req.prompt if req.prompt is not None else None)
         self._echo, self._report = req.echo, req.logprobs is not None
         self._cancel, self._ticket, self._keepalive = cancel, ticket, keepalive
+        self._poll = poll                         # yield Waiting instead of blocking (PromptBatch)
         self._end_listed = req.messages is None   # completions list the end token's logprob
         self._steps = self._pending = None
         self._completion_tokens = 0
@@ -274,15 +292,20 @@ class Generation:
         compute.run(steps.close)
 
     def _wait_turn(self):
-        while not self._ticket.wait(self._keepalive):
+        while not self._ticket.wait(0 if self._poll else self._keepalive):
             if self._ticket.left:
                 return False
+            if self._poll:
+                yield Waiting(ticket=self._ticket)
+                continue
             self._quiet_since = time.monotonic()
             yield KeepAlive("queued")
         return not self._cancel.cancelled
 
     def _await(self, fut):
         self._pending = fut
+        while self._poll and not fut.done():
+            yield Waiting(future=fut)
         while True:
             try:
                 result = fut.result(timeout=self._keepalive)
@@ -377,3 +400,130 @@ def _token_text(tokenizer, token_id):
 def _cumulative_logprob(events, skip):
     deltas = [e for e in events if isinstance(e, TextDelta)][skip:]
     return sum(t.logprob for d in deltas for t in d.logprobs or () if t.logprob is not None)
+
+
+class PromptBatch:
+    """The runs of a prompt list side by side, as one iterator of service events with `close()`.
+
+    Each prompt's Generation (in poll mode) holds its own queue place and runs as its own sequence
+    of the engine's batch; they are advanced in turn, so their steps are shared, never one
+    prompt after another. Choice j of prompt p is index p * n + j (as OpenAI numbers them); the
+    last Finished carries the usage of all prompts. Same attributes as a Generation.
+    """
+
+    def __init__(self, gens, n, cancel, keepalive):
+        self._gens, self._n, self._cancel, self._keepalive = gens, n, cancel, keepalive
+        self.model_id, self.request_id = gens[0].model_id, gens[0].request_id
+        self.prompt_tokens = sum(g.prompt_tokens for g in gens)
+        self.enqueued_at = min(g.enqueued_at for g in gens)
+        self._usages = {}                 # prompt index -> its run's final Usage
+        self._on_close, self._cleaned = [], False
+        self._gen = self._events()
+
+    # ---- what logs and metrics read, folded over the runs
+
+    @property
+    def usage(self):
+        done = list(self._usages.values())
+        if not done:
+            return None
+        return Usage(sum(u.prompt_tokens for u in done), sum(u.completion_tokens for u in done),
+                     sum(u.cached_tokens for u in done))
+
+    @property
+    def finish_reason(self):
+        return next((g.finish_reason for g in self._gens if g.finish_reason is not None), None)
+
+    @property
+    def time_limited(self):
+        return any(g.time_limited for g in self._gens)
+
+    @property
+    def started_at(self):
+        return _earliest(g.started_at for g in self._gens)
+
+    @property
+    def first_token_at(self):
+        return _earliest(g.first_token_at for g in self._gens)
+
+    @property
+    def finished_at(self):
+        ends = [g.finished_at for g in self._gens]
+        return None if None in ends else max(ends)
+
+    # ---- the Generation interface
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return next(self._gen)
+
+    def on_close(self, fn):
+        self._on_close.append(fn)
+
+    def limit_time(self, seconds):
+        for gen in self._gens:
+            gen.limit_time(seconds)
+
+    def close(self):
+        try:
+            self._gen.close()
+        finally:
+            self._cleanup()
+
+    def _events(self):
+        try:
+            yield from self._interleave()
+        finally:
+            self._cleanup()
+
+    def _interleave(self):
+        live, quiet = dict(enumerate(self._gens)), time.monotonic()
+        while live:
+            waits, moved = [], False
+            for p, gen in list(live.items()):
+                event = next(gen, None)
+                if event is None:
+                    return          # cancelled: the client is gone, nothing more is sent
+                if isinstance(event, Waiting):
+                    waits.append(event)
+                elif not isinstance(event, KeepAlive):
+                    moved, quiet = True, time.monotonic()
+                    if isinstance(event, Finished) and event.last:
+                        del live[p]
+                        self._usages[p] = event.usage
+                        gen.close()         # NOTE(slot): its queue place goes to the next waiter now
+                    yield self._renumber(event, p, last=not live)
+            if waits and not moved:
+                # NOTE(wait): nothing moved this round: wait for a step of ours (the compute thread
+                # runs them in order), else for our first queue place, then look again.
+                wait = next((w for w in waits if w.future is not None), waits[0])
+                wait.block(max(self._keepalive - (time.monotonic() - quiet), 0.001))
+            if time.monotonic() - quiet >= self._keepalive:
+                quiet = time.monotonic()
+                yield KeepAlive("running" if self.started_at is not None else "queued")
+
+    def _renumber(self, event, p, last):
+        index = p * self._n + event.index
+        if isinstance(event, TextDelta):
+            return TextDelta(event.text, event.logprobs, index)
+        usage = self.usage if last else event.usage
+        return Finished(event.reason, usage, event.stop_string, index, last)
+
+    def _cleanup(self):
+        if self._cleaned:
+            return
+        self._cleaned = True
+        self._cancel.cancel("closed")
+        try:
+            for gen in self._gens:
+                gen.close()
+        finally:
+            for fn in self._on_close:
+                fn()
+
+
+def _earliest(times):
+    found = [t for t in times if t is not None]
+    return min(found) if found else None

@@ -12,11 +12,12 @@ import threading
 from dataclasses import dataclass, field
 
 from . import compute, metrics
+from .cancel import CancelToken
 from .engine import SamplingParams
 from .errors import ApiError, ContextLengthExceeded, InvalidRequest
 # NOTE(events): the events and their folds live with Generation; importers keep taking them from here.
-from .generation import (ChoiceResult, Finished, Generation, KeepAlive, TextDelta, TokenLogprob,  # noqa: F401
-                         Usage, collect, collect_choices)
+from .generation import (ChoiceResult, Finished, Generation, KeepAlive, PromptBatch, TextDelta,  # noqa: F401
+                         TokenLogprob, Usage, collect, collect_choices)
 from .queue import LockQueue
 from .registry import Registry
 
@@ -25,15 +26,17 @@ log = logging.getLogger("turbospark.service")
 
 @dataclass(slots=True)
 class GenerationRequest:
-    """One generation, as the schemas hand it to the service (one of prompt / prompt_ids / messages)."""
+    """One generation, as the schemas hand it to the service (one of prompt / prompt_ids / messages /
+    prompts)."""
 
     model: str | None = None                # None: the default model
     prompt: str | None = None               # raw text (completions)
     prompt_ids: list | None = None          # token ids given by the client
     messages: list | None = None            # chat messages (the model's template applies)
+    prompts: list | None = None             # completions: several prompts, each text or token ids
     tools: list | None = None
     template_kwargs: dict = field(default_factory=dict)
-    add_bos: bool = True                    # raw text only; templates bring their own BOS
+    add_special: bool = True                # raw text: BOS where the model's own rule puts one; False: never
     max_tokens: int | None = 16             # None: up to the end of the context
     params: SamplingParams = field(default_factory=SamplingParams)
     stream: bool = False
@@ -87,13 +90,42 @@ class Service:
         return gen
 
     def _admit(self, engine, req, cancel):
+        if req.prompts is not None:
+            return self._admit_batch(engine, req, cancel)
+        ids, params, grammar = self._prepare(engine, req)
+        ticket = self.queue.enqueue(cancel)
+        return Generation(engine, ids, params, req, cancel, ticket, self.config.keepalive, grammar)
+
+    def _prepare(self, engine, req):
         ids = self._prompt_ids(engine, req)
         params = dataclasses.replace(req.params, max_new_tokens=self._budget(engine, req, len(ids)),
                                      logprobs=_logprobs_wanted(req))
         self._check_logit_bias(engine, params)
-        grammar = self._grammar(engine, req)
-        ticket = self.queue.enqueue(cancel)
-        return Generation(engine, ids, params, req, cancel, ticket, self.config.keepalive, grammar)
+        return ids, params, self._grammar(engine, req)
+
+    def _admit_batch(self, engine, req, cancel):
+        """A prompt list: every prompt is checked first, then each takes its own queue place and
+        runs as its own sequence of the running batch (a PromptBatch drives them side by side)."""
+        room = self.queue.slots + self.queue.max_waiting
+        if len(req.prompts) > room:
+            raise InvalidRequest(f"'prompt' holds {len(req.prompts)} prompts; this server runs or queues at most "
+                                 f"{room} at once (TURBOSPARK_MAX_BATCH + TURBOSPARK_MAX_WAITING)", param="prompt")
+        reqs = [_one_prompt(req, i, p) for i, p in enumerate(req.prompts)]
+        prepared = [self._prepare(engine, r) for r in reqs]
+        gens = []
+        try:
+            for r, (ids, params, grammar) in zip(reqs, prepared):
+                # NOTE(cancel): each run ends its own token when it closes; the request's token ends them all.
+                token = CancelToken()
+                cancel.on_cancel(token.cancel)
+                ticket = self.queue.enqueue(token)
+                gens.append(Generation(engine, ids, params, r, token, ticket, self.config.keepalive, grammar,
+                                       poll=True))
+        except BaseException:
+            for gen in gens:
+                gen.close()         # NOTE(overload): a list the queue cannot hold takes no place
+            raise
+        return PromptBatch(gens, req.n, cancel, self.config.keepalive)
 
     @property
     def default_model(self):
@@ -160,7 +192,7 @@ class Service:
                 # control token); the only client text in it is a tool name, checked to [A-Za-z0-9_.-].
                 ids = ids + engine.encode(req.assistant_prefix, add_bos=False)
         else:
-            ids = engine.encode(req.prompt or "", add_bos=req.add_bos)
+            ids = _encode_text(engine, req)
         if not ids:
             raise InvalidRequest("the prompt is empty", param=req.prompt_param)
         return ids
@@ -206,9 +238,17 @@ class Service:
     def tokenize(self, req):
         """(token ids, max context) for a GenerationRequest's prompt, as `run` would build them."""
         engine = self.registry.resolve(req.model)
-        if req.prompt == "" and not req.add_bos:
-            return [], self._context(engine)
+        if req.prompt == "":
+            return _encode_text(engine, req), self._context(engine)
         return self._prompt_ids(engine, req), self._context(engine)
+
+    def tokenizer_info(self, model):
+        """What the tokenizer of `model` (resolving it) is: its special tokens, BOS rule, chat
+        template and context, for vLLM's GET /tokenizer_info."""
+        engine = self.registry.resolve(model)
+        tokenizer = engine.tokenizer
+        return TokenizerInfo(bos_token=tokenizer.bos_token, eos_token=tokenizer.eos_token, add_bos=engine.add_bos,
+                             chat_template=self.chat_template(model), max_context=self._context(engine))
 
     def detokenize(self, model, ids):
         """The text of token ids (special tokens kept), checked against the vocabulary."""
@@ -228,6 +268,27 @@ class Service:
         if bad is not None:
             raise InvalidRequest(f"logit_bias token id {bad} is outside the vocabulary (0..{vocab - 1})",
                                  param="logit_bias")
+
+
+@dataclass(slots=True)
+class TokenizerInfo:
+    bos_token: str | None
+    eos_token: str | None
+    add_bos: bool                           # raw text gets BOS (the model's own rule)
+    chat_template: str
+    max_context: int
+
+
+def _encode_text(engine, req):
+    # NOTE(bos): llama.cpp's add_special: BOS only where the model asks for it (SmolLM2's GGUF says
+    # add_bos_token = false), so a text prompt and the same text's token ids score alike.
+    return engine.encode(req.prompt or "", add_bos=req.add_special and engine.add_bos)
+
+
+def _one_prompt(req, i, prompt):
+    text = isinstance(prompt, str)
+    return dataclasses.replace(req, prompts=None, prompt=prompt if text else None,
+                               prompt_ids=None if text else prompt, prompt_param=f"prompt[{i}]")
 
 
 def _check_ids(engine, ids, param):

@@ -115,7 +115,7 @@ def test_queue_full_is_503_with_retry_after(make_harness):
 def test_cheap_checks_run_before_the_model_is_resolved(harness):
     client = harness.client()
     for body in ({"model": "other", "prompt": "hi", "n": 2, "best_of": 1}, {"model": "other", "prompt": "hi", "suffix": "x"},
-                 {"model": "other", "prompt": ["a", "b"]}, {"model": "other", "prompt": "hi", "max_tokens": 0},
+                 {"model": "other", "prompt": ["a", 1]}, {"model": "other", "prompt": "hi", "max_tokens": 0},
                  {"model": "other", "prompt": "hi", "temperature": -1}):
         client.post_json("/v1/completions", body, status=400)
     assert harness.loads == []

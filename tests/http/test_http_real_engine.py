@@ -40,7 +40,7 @@ def test_greedy_output_is_stable_and_matches_the_engine_alone(client, direct):
     from turbospark_wsgi.engine import SamplingParams, Token
     first = complete(client, max_tokens=24, temperature=0).json
     second = complete(client, max_tokens=24, temperature=0).json
-    ids = direct.encode(PROMPT, add_bos=True)
+    ids = direct.encode(PROMPT, add_bos=direct.add_bos)
     events = list(direct.generate(ids, SamplingParams(max_new_tokens=24, temperature=0)))
     alone = "".join(e.text for e in events if isinstance(e, Token)) + events[-1].text
     assert first["choices"][0]["text"] == second["choices"][0]["text"] == alone and alone.strip()
@@ -57,13 +57,13 @@ def test_streaming_text_equals_non_streaming_text(client):
 
 def test_usage_counts(client, direct):
     body = complete(client, max_tokens=7, temperature=0).json
-    n_prompt = len(direct.encode(PROMPT, add_bos=True))
+    n_prompt = len(direct.encode(PROMPT, add_bos=direct.add_bos))
     assert body["usage"] == {"prompt_tokens": n_prompt, "completion_tokens": 7, "total_tokens": n_prompt + 7}
     assert body["choices"][0]["finish_reason"] == "length"
 
 
 def test_token_id_prompt_equals_text_prompt(client, direct):
-    ids = direct.encode(PROMPT, add_bos=True)
+    ids = direct.encode(PROMPT, add_bos=direct.add_bos)
     by_text = complete(client, max_tokens=10, temperature=0).json["choices"][0]["text"]
     by_ids = client.post_json("/v1/completions", {"model": "stories260K", "prompt": ids, "max_tokens": 10,
                                                   "temperature": 0}).json["choices"][0]["text"]

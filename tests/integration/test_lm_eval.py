@@ -1,5 +1,8 @@
 """lm-evaluation-harness through `local-completions` against real gunicorn equals lm-eval's own `hf`
-backend on the same weights: per-item loglikelihoods within 1e-3 and the same accuracy.
+backend on the same weights: per-item loglikelihoods within 1e-3 and the same accuracy, whether it
+sends token ids one request at a time, or text prompts (`tokenized_requests=False`, tokenized by the
+server's own /tokenizer_info + /tokenize: `tokenizer_backend=remote`) four to a request
+(`batch_size=4`: one prompt list); text and token-id requests score alike.
 
 The model is a tiny random Llama in Hugging Face format written by the test; we serve it from the
 same files transformers loads. Skips only where lm-eval cannot be imported.
@@ -38,13 +41,13 @@ def write_task(root, n_items=20, seed=0):
         "doc_to_target: answer\nmetric_list:\n  - metric: acc\n")
 
 
-def evaluate(tmp, model, model_args):
+def evaluate(tmp, model, model_args, batch_size=1):
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ["HF_DATASETS_CACHE"] = str(tmp / "datasets")
     import lm_eval
     from lm_eval.tasks import TaskManager
-    out = lm_eval.simple_evaluate(model=model, model_args=model_args, tasks=[TASK], batch_size=1,
+    out = lm_eval.simple_evaluate(model=model, model_args=model_args, tasks=[TASK], batch_size=batch_size,
                                   task_manager=TaskManager(include_path=str(tmp / "task")), log_samples=True,
                                   limit=None, random_seed=0, numpy_random_seed=0, torch_random_seed=0)
     samples = sorted(out["samples"][TASK], key=lambda s: s["doc_id"])
@@ -58,13 +61,20 @@ def test_local_completions_matches_the_hf_backend(tmp_path, start_gunicorn):
     tiny.write_hf_dir(models / "tiny", cfg, tiny.random_state(cfg, 1))
     (tmp_path / "task").mkdir()
     write_task(tmp_path / "task")
-    server = start_gunicorn("gthread", models=str(models), model="tiny")
-    ours, our_acc = evaluate(tmp_path, "local-completions", {
-        "base_url": f"{server.url}/v1/completions", "model": "tiny", "tokenizer": str(models / "tiny"),
-        "tokenizer_backend": "huggingface", "num_concurrent": 1, "max_retries": 1, "tokenized_requests": True})
+    server = start_gunicorn("gthread", models=str(models), model="tiny", max_batch=4)
+    local = {"base_url": f"{server.url}/v1/completions", "model": "tiny", "num_concurrent": 1, "max_retries": 1}
+    ours, our_acc = evaluate(tmp_path, "local-completions", dict(
+        local, tokenizer=str(models / "tiny"), tokenizer_backend="huggingface", tokenized_requests=True))
+    # NOTE(bos): text prompts get BOS only by the model's own rule (this tokenizer says
+    # add_bos_token false), so they score as the token ids lm-eval counted its context in.
+    text, text_acc = evaluate(tmp_path, "local-completions", dict(
+        local, tokenizer_backend="remote", tokenized_requests=False), batch_size=4)
     ref, ref_acc = evaluate(tmp_path, "hf", {"pretrained": str(models / "tiny"), "dtype": "float32",
                                              "device": "cpu"})
-    assert ours.shape == ref.shape == (20, 4)
+    assert ours.shape == text.shape == ref.shape == (20, 4)
+    np.testing.assert_allclose(text, ours, atol=1e-6, rtol=0)
     np.testing.assert_allclose(ours, ref, atol=1e-3, rtol=0)
-    assert our_acc == ref_acc
-    print(f"lm-eval: 20 items x 4 choices, max |dLL| = {np.abs(ours - ref).max():.2e}, acc {our_acc} == {ref_acc}")
+    assert our_acc == text_acc == ref_acc
+    print(f"lm-eval: 20 items x 4 choices, max |dLL| = {np.abs(ours - ref).max():.2e} (ids), "
+          f"{np.abs(text - ref).max():.2e} (text, batch 4), acc {our_acc} == {text_acc} == {ref_acc}")
+

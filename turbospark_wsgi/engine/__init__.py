@@ -1,7 +1,7 @@
 """The engine's public API: the only names the rest of the package imports.
 
     engine = load_engine("model.gguf" or "hf_dir/", device="auto")
-    ids = engine.encode(text, add_bos=True)
+    ids = engine.encode(text, add_bos=engine.add_bos)     # BOS where the model asks for one
     for event in engine.generate(ids, SamplingParams(...), should_stop=cancel.is_set):
         ...   # Prefill, Token, then one Finish
 

@@ -44,6 +44,12 @@ class Engine:
         self.scheduler = Scheduler(self.model, tokenizer, max_batch=max_batch,
                                    max_context=self.max_context, chunk=prefill_chunk)
 
+    @property
+    def add_bos(self):
+        """Whether the model puts BOS before a raw text prompt (GGUF `tokenizer.ggml.add_bos_token`,
+        or the Hugging Face tokenizer's `add_bos_token` / post-processor): llama.cpp's add_special."""
+        return self.tokenizer.add_bos and self.tokenizer.bos_id is not None
+
     def encode(self, text, add_bos):
         return self.tokenizer.encode(text, add_bos=add_bos)
 

@@ -1,4 +1,5 @@
-"""POST /v1/completions: a raw prompt, no chat template, BOS added (see DEVIATIONS.md)."""
+"""POST /v1/completions: raw prompts (one or a list), no chat template, BOS by the model's own rule
+(see DEVIATIONS.md)."""
 from ..middleware import read_json
 from ..schemas import openai
 from ..service import collect_choices
@@ -14,7 +15,7 @@ class Completions:
         self._service.check_room()          # NOTE(overload): a full server says so before any work
         # NOTE(order): every check that needs no model runs in parse_completion, before the
         # service resolves (and maybe loads) the model.
-        gen, degraded = openai.parse_completion(read_json(req, self._max_body))
+        gen, degraded = openai.parse_completion(read_json(req, self._max_body), self._service.config.max_prompts)
         events, watcher = begin(self._service, req, gen)
         if degraded:
             resp.set_header(openai.DEGRADATION_HEADER, ", ".join(degraded))

@@ -16,6 +16,7 @@ MAX_TOKENS_LIMIT = 2 ** 31 - 1
 TOKEN_ID_LIMIT = 2 ** 31
 MAX_CHOICES = 20                # n
 MAX_BEST_OF = 20
+MAX_PROMPTS = 16                # prompts in one /v1/completions request (TURBOSPARK_MAX_PROMPTS)
 
 # NOTE(degradations): fields /v1/completions accepts but does not honour, each with the test that
 # decides whether a request used it. Every standard field is honoured now; the header mechanism stays.
@@ -40,7 +41,7 @@ def response_meta(prefix, model, include_usage=False):
 
 # ---- requests -------------------------------------------------------------------------------
 
-def parse_completion(doc):
+def parse_completion(doc, max_prompts=MAX_PROMPTS):
     """A /v1/completions body -> (GenerationRequest, [degraded field names])."""
     expect_object(doc)
     if doc.get("suffix") is not None:
@@ -53,10 +54,13 @@ def parse_completion(doc):
         raise InvalidRequest("max_tokens must be greater than 0 (0 is allowed only with echo)", param="max_tokens")
     params = sampling_params(doc, max_tokens)
     logprobs = opt_int(doc, "logprobs", None, lo=0, hi=20)
-    prompt, prompt_ids = _single_prompt(doc)
+    prompts = _prompts(doc, max_prompts)
+    one = prompts[0] if len(prompts) == 1 else None
     stream = opt_bool(doc, "stream", False)
-    req = GenerationRequest(model=model_name(doc), prompt=prompt, prompt_ids=prompt_ids,
-                            add_bos=prompt_ids is None, max_tokens=max_tokens, params=params,
+    req = GenerationRequest(model=model_name(doc), prompt=one if isinstance(one, str) else None,
+                            prompt_ids=one if isinstance(one, list) else None,
+                            prompts=prompts if one is None else None,
+                            add_special=add_special(doc), max_tokens=max_tokens, params=params,
                             stream=stream, include_usage=stream and _include_usage(doc),
                             echo=echo, logprobs=logprobs, n=n, best_of=best_of)
     return req, completion_degradations(doc)
@@ -114,37 +118,54 @@ def _include_usage(doc):
     return opt_bool(options, "include_usage", False)
 
 
-_PROMPT_SHAPES = ("a string, an array of one string, an array of token ids, "
-                  "or an array of one array of token ids")
+def add_special(doc):
+    """Whether raw text gets the model's special tokens (its BOS, where the model wants one): vLLM's
+    `add_special_tokens` or llama.cpp's `add_special`, default true; the two may not disagree."""
+    vllm, llama = opt_bool(doc, "add_special_tokens", None), opt_bool(doc, "add_special", None)
+    if vllm is not None and llama is not None and vllm != llama:
+        raise InvalidRequest("'add_special_tokens' and 'add_special' disagree; give one of them",
+                             param="add_special_tokens")
+    return next((v for v in (vllm, llama) if v is not None), True)
 
 
-def _single_prompt(doc):
-    """(text, None) or (None, token ids): one prompt per request, as the original server."""
+_PROMPT_SHAPES = "a string, an array of token ids, an array of strings or an array of arrays of token ids"
+
+
+def _prompts(doc, limit):
+    """The request's prompts, one or more, each text or a list of token ids (all of one kind)."""
     value = doc.get("prompt")
     if value is None:
         raise InvalidRequest("'prompt' is required", param="prompt")
     if isinstance(value, str):
-        return value, None
+        return [value]
     if not isinstance(value, list):
         raise InvalidRequest(f"'prompt' must be {_PROMPT_SHAPES}, got {type_name(value)}", param="prompt")
     if value and all(is_int(t) for t in value):
-        return None, _token_ids(value)
-    if len(value) != 1:
-        raise InvalidRequest(f"this server accepts exactly one prompt per request, got {len(value)}",
-                             param="prompt")
-    only = value[0]
-    if isinstance(only, str):
-        return only, None
-    if isinstance(only, list) and all(is_int(t) for t in only):
-        return None, _token_ids(only)
-    raise InvalidRequest(f"'prompt' must be {_PROMPT_SHAPES}", param="prompt")
+        return [_token_ids(value, "prompt")]
+    if not value:
+        raise InvalidRequest("'prompt' is an empty array", param="prompt")
+    if len(value) > limit:
+        raise InvalidRequest(f"'prompt' holds {len(value)} prompts; this server takes at most {limit} per "
+                             f"request (TURBOSPARK_MAX_PROMPTS)", param="prompt")
+    text = isinstance(value[0], str)
+    return [_list_item(item, text, f"prompt[{i}]") for i, item in enumerate(value)]
 
 
-def _token_ids(ids):
+def _list_item(item, text, param):
+    if text and isinstance(item, str):
+        return item
+    if not text and isinstance(item, list) and all(is_int(t) for t in item):
+        return _token_ids(item, param)
+    kind = "a string" if text else "an array of token ids"
+    raise InvalidRequest(f"'{param}' must be {kind}, got {type_name(item)} (a prompt list holds strings or "
+                         f"arrays of token ids, all of one kind)", param=param)
+
+
+def _token_ids(ids, param):
     if not ids:
-        raise InvalidRequest("'prompt' holds an empty array of token ids", param="prompt")
+        raise InvalidRequest(f"'{param}' holds an empty array of token ids", param=param)
     if any(not 0 <= t < TOKEN_ID_LIMIT for t in ids):
-        raise InvalidRequest("'prompt' token ids must be non-negative integers", param="prompt")
+        raise InvalidRequest(f"'{param}' token ids must be non-negative integers", param=param)
     return list(ids)
 
 

@@ -41,8 +41,13 @@ _SCHEMAS = {
         "type": {"const": "error"}, "error": {"type": "object", "required": ["type", "message"],
                                               "properties": {"type": _STR, "message": _STR}}}},
     "CompletionRequest": {"type": "object", "required": ["prompt"], "properties": dict(
-        _SAMPLING, prompt={"oneOf": [_STR, {"type": "array", "items": _STR, "maxItems": 1},
-                                     {"type": "array", "items": _INT}]},
+        _SAMPLING, prompt={"oneOf": [_STR, {"type": "array", "items": _INT, "minItems": 1},
+                                     {"type": "array", "items": _STR, "minItems": 1, "maxItems": 16},
+                                     {"type": "array", "minItems": 1, "maxItems": 16,
+                                      "items": {"type": "array", "items": _INT, "minItems": 1}}],
+                           "description": "one prompt, or a list (TURBOSPARK_MAX_PROMPTS, default 16): choice j of "
+                                          "prompt p has index p * n + j"},
+        add_special_tokens=_BOOL, add_special=_BOOL,
         max_tokens={"type": "integer", "minimum": 0, "description": "0 only with echo (score the prompt)"},
         n={"type": "integer", "minimum": 1, "maximum": 20}, best_of={"type": "integer", "minimum": 1, "maximum": 20},
         logprobs={"type": "integer", "minimum": 0, "maximum": 20}, echo=_BOOL)},
@@ -128,14 +133,19 @@ _SCHEMAS = {
     "ResponseDeleted": {"type": "object", "required": ["id", "object", "deleted"],
                         "properties": {"id": _STR, "object": {"const": "response"}, "deleted": _BOOL}},
     "TokenizeRequest": {"type": "object", "properties": {
-        "model": _STR, "content": _STR, "prompt": _STR, "add_special": _BOOL,
+        "model": _STR, "content": _STR, "prompt": _STR, "add_special": _BOOL, "add_special_tokens": _BOOL,
         "messages": {"type": "array", "minItems": 1, "items": _ref("ChatMessage")},
         "tools": {"type": "array", "items": _OBJ}, "chat_template_kwargs": _OBJ}},
     "Tokens": {"type": "object", "required": ["tokens", "count", "max_model_len"],
                "properties": {"tokens": {"type": "array", "items": _INT}, "count": _INT, "max_model_len": _INT}},
     "DetokenizeRequest": {"type": "object", "required": ["tokens"], "properties": {
         "model": _STR, "tokens": {"type": "array", "items": {"type": "integer", "minimum": 0}}}},
-    "Detokenized": {"type": "object", "required": ["prompt"], "properties": {"prompt": _STR}},
+    "Detokenized": {"type": "object", "required": ["prompt", "content"],
+                    "properties": {"prompt": _STR, "content": _STR}},
+    "TokenizerInfo": {"type": "object", "required": ["tokenizer_class", "eos_token"], "properties": {
+        "tokenizer_class": _STR, "name_or_path": _STR, "bos_token": _NULL_STR, "eos_token": _NULL_STR,
+        "pad_token": _NULL_STR, "add_bos_token": _BOOL, "add_eos_token": _BOOL, "model_max_length": _INT,
+        "chat_template": _NULL_STR}},
     "TokenCount": {"type": "object", "required": ["input_tokens"], "properties": {"input_tokens": _INT}},
     "Model": {"type": "object", "required": ["id", "object", "created", "owned_by"],
               "properties": {"id": _STR, "object": {"const": "model"}, "created": _INT, "owned_by": _STR,
@@ -161,13 +171,15 @@ def _post(summary, request, response, error="OpenAIError", stream=True):
                                   "content": _json(_ref(error))}}}}
 
 
-def _get(summary, response_content, path_params=(), error="OpenAIError", extra=None):
+def _get(summary, response_content, path_params=(), error="OpenAIError", extra=None, query_params=()):
     op = {"summary": summary,
           "responses": dict({"200": {"description": "OK", "content": response_content},
                              "default": {"description": "an error", "content": _json(_ref(error))}},
                             **(extra or {}))}
     if path_params:
         op["parameters"] = [{"name": p, "in": "path", "required": True, "schema": _STR} for p in path_params]
+    if query_params:
+        op["parameters"] = [{"name": p, "in": "query", "required": False, "schema": _STR} for p in query_params]
     return {"get": op}
 
 
@@ -201,6 +213,8 @@ def spec(version="0"):
             "/tokenize": _post("Token ids of a prompt or chat, as generation would see them", "TokenizeRequest",
                                "Tokens", stream=False),
             "/detokenize": _post("Text of token ids", "DetokenizeRequest", "Detokenized", stream=False),
+            "/tokenizer_info": _get("The tokenizer's special tokens, BOS rule and chat template (vLLM's shape)",
+                                    _json(_ref("TokenizerInfo")), query_params=("model",)),
             "/health": _get("Readiness", _json(_ref("Health")),
                             extra={"503": {"description": "not ready", "content": _json(_ref("Health"))}}),
             "/metrics": _get("Prometheus metrics", {"text/plain": {"schema": _STR}}),

@@ -1,19 +1,21 @@
 """POST /tokenize and /detokenize: request bodies in, response bodies out.
 
-    {"model"?, "content" | "prompt" | "messages" (+ "tools", "chat_template_kwargs"), "add_special"?}
-        -> {"tokens": [...], "count": N, "max_model_len": C}
-    {"model"?, "tokens": [...]} -> {"prompt": "..."}
+    {"model"?, "content" | "prompt" | "messages" (+ "tools", "chat_template_kwargs"),
+     "add_special_tokens" | "add_special"?}  -> {"tokens": [...], "count": N, "max_model_len": C}
+    {"model"?, "tokens": [...]} -> {"prompt": "...", "content": "..."}    (vLLM's and llama.cpp's key)
+    GET /tokenizer_info -> vLLM's shape: {"tokenizer_class", "bos_token", "eos_token", "chat_template", ...}
 
-Text is tokenized as /v1/completions does it (BOS first unless add_special is false); messages as
-/v1/chat/completions does it, so `count` equals that route's `usage.prompt_tokens`.
+Text is tokenized as /v1/completions does it (BOS where the model's own rule puts one, none when
+add_special_tokens / add_special is false); messages as /v1/chat/completions does it, so `count`
+equals that route's `usage.prompt_tokens`.
 """
 from ..engine import SamplingParams
 from ..errors import InvalidRequest
 from ..service import GenerationRequest
 from .chat import ChatRequest
 from .chat_messages import parse_messages, parse_tool_choice, parse_tools
-from .common import expect_object, is_int, opt_bool, type_name
-from .openai import TOKEN_ID_LIMIT, model_name
+from .common import expect_object, is_int, type_name
+from .openai import TOKEN_ID_LIMIT, add_special, model_name
 
 
 def parse_tokenize(doc):
@@ -32,8 +34,12 @@ def parse_tokenize(doc):
     text = doc.get(key)
     if not isinstance(text, str):
         raise InvalidRequest(f"'{key}' must be a string (or give 'messages'), got {type_name(text)}", param=key)
-    return GenerationRequest(model=model, prompt=text, add_bos=opt_bool(doc, "add_special", True),
-                             prompt_param=key)
+    return GenerationRequest(model=model, prompt=text, add_special=add_special(doc), prompt_param=key)
+
+
+def parse_tokenizer_info(params):
+    """GET /tokenizer_info's query -> the model named (`?model=`) or None (the default)."""
+    return model_name({"model": params["model"]}) if "model" in params else None
 
 
 def parse_detokenize(doc):
@@ -50,4 +56,13 @@ def tokenize_body(ids, max_model_len):
 
 
 def detokenize_body(text):
-    return {"prompt": text}
+    return {"prompt": text, "content": text}
+
+
+def tokenizer_info_body(info, model):
+    """vLLM's GET /tokenizer_info: the tokenizer's configuration as transformers names it (what
+    lm-eval's RemoteTokenizer reads: eos_token, bos_token, pad_token, chat_template)."""
+    return {"tokenizer_class": "TurboSparkTokenizer", "name_or_path": model,
+            "bos_token": info.bos_token, "eos_token": info.eos_token, "pad_token": None,
+            "add_bos_token": info.add_bos, "add_eos_token": False, "model_max_length": info.max_context,
+            "chat_template": info.chat_template or None}
