@@ -168,7 +168,7 @@ def cmd_check(args):
     if args.chat:
         prompt_ids = engine.apply_chat_template([{"role": "user", "content": args.prompt}])
     else:
-        prompt_ids = engine.encode(args.prompt, add_bos=True)
+        prompt_ids = engine.encode(args.prompt, add_bos=engine.add_bos)
     params = SamplingParams(max_new_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
     result = run_check(engine, prompt_ids, params)
     if args.json:
