@@ -9,6 +9,7 @@ ROUTES = {
     "/v1/chat/completions": {"model": "fake", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4},
     "/v1/completions": {"model": "fake", "prompt": "Hi", "max_tokens": 4},
     "/v1/messages": {"model": "fake", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4},
+    "/v1/responses": {"model": "fake", "input": "Hi", "max_output_tokens": 4},
 }
 
 

@@ -107,6 +107,7 @@ class Responses:
         self._max_body = max_body
 
     def on_post(self, req, resp):
+        self._service.check_room()          # NOTE(overload): a full server says so before any work
         # NOTE(order): the body and the stored history are checked before any model is resolved.
         request = parse_responses(read_json(req, self._max_body))
         parent = self._previous(request)
