@@ -99,7 +99,7 @@ class Cors:
     `origins`: allowed origins, or ("*",) for any. Empty: no CORS headers at all.
     """
 
-    METHODS = "GET, POST, OPTIONS"
+    METHODS = "GET, POST, DELETE, OPTIONS"     # DELETE: /v1/responses/{id}
     HEADERS = "Authorization, x-api-key, anthropic-version, anthropic-beta, content-type, x-request-id"
     EXPOSE = "x-request-id, x-anyllm-degradation, x-turbospark-replica, Retry-After"
 

@@ -122,7 +122,7 @@ def test_preflight_is_answered_before_auth(cors):
     allowed = r.headers["Access-Control-Allow-Headers"].lower()
     for name in ("authorization", "x-api-key", "anthropic-version", "content-type"):
         assert name in allowed
-    assert "POST" in r.headers["Access-Control-Allow-Methods"]
+    assert {"POST", "DELETE"} <= set(r.headers["Access-Control-Allow-Methods"].replace(" ", "").split(","))
 
 
 def test_cors_headers_on_streams_and_errors(cors):
