@@ -338,4 +338,6 @@ def warmup():
         for rows in (x[:1], x):
             qmatmul(rows, w, path="gemv")
         qmatmul(x, w, path="blas")
+    kv = rng.standard_normal((4, 1, 8)).astype(np.float32)
+    attend(rng.standard_normal((2, 2, 8)).astype(np.float32), kv, kv, 1)
     return time.perf_counter() - t0

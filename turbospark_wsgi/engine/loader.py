@@ -59,6 +59,10 @@ def _load(path, device, weights):
     else:
         tensors = load_weights(cfg, source, kind, backend.xp)
     model = Transformer(cfg, tensors, backend.xp)
+    if model.fused_attention:
+        # NOTE(cold-start): the kernels compile (or load from numba's cache) here, so a server says
+        # it is ready only once its first request runs at full speed
+        kernels_cpu.warmup()
     return LoadedModel(cfg, model, metadata, kind, path, backend.name, backend.reason)
 
 
