@@ -337,10 +337,15 @@ class Run:
         except Exception as exc:        # noqa: BLE001 -- reported, and the others go on
             self.fail(server, exc)
             return
+        wall, cores = self.account(server.name, started, meter)
+        log(f"  {server.name}: {what} {wall:.1f} s (others used {cores:.2f} cores)")
+
+    def account(self, name, started, meter):
+        """Adds a stretch of work to the contention of `name`'s round -> (wall s, cores others used)."""
         wall, others = time.monotonic() - started, meter.others()
-        self.others[server.name][0] += others
-        self.others[server.name][1] += wall
-        log(f"  {server.name}: {what} {wall:.1f} s" + (f" (others used {others / wall:.2f} cores)" if wall else ""))
+        self.others[name][0] += others
+        self.others[name][1] += wall
+        return wall, others / wall if wall > 0 else 0.0
 
 
 def start(run, stack, server):
@@ -395,14 +400,16 @@ def rounds(run, plan, worker, deadline):
 
 
 def run_engine_only(run, worker, plan, r, metrics):
-    started = time.monotonic()
+    started, meter = time.monotonic(), CpuMeter(run.own_pids())
     try:
         engine_only(worker, plan, r, metrics, run.args.engine_clients)
     except Exception as exc:        # noqa: BLE001 -- the HTTP side is still measured
         run.info[OURS]["engine_error"] = f"{type(exc).__name__}: {exc}"
         log(f"engine-only: failed: {run.info[OURS]['engine_error']}")
         return
-    log(f"  engine-only: {run.args.engine_clients} streams {time.monotonic() - started:.1f} s")
+    # NOTE(contention): counted with this server's workloads of the round: it is this server's figure
+    wall, cores = run.account(OURS, started, meter)
+    log(f"  engine-only: {run.args.engine_clients} streams {wall:.1f} s (others used {cores:.2f} cores)")
 
 
 def measure(args, servers):
