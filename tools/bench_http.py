@@ -436,7 +436,7 @@ def measure(args, servers):
             first_over_warm(run.metrics[server.name])
             run.info[server.name]["peak_rss_mib"] = server.peak_rss_mib()
         if worker:
-            run.info[OURS]["engine_peak_rss_mib"] = worker.peak_rss_mib()
+            run.info[OURS]["engine_peak_rss_mib"] = round(worker.peak_rss_mib() or 0)
     run.meta["load_end"] = os.getloadavg()[0]
     return run
 

@@ -161,7 +161,8 @@ def format_info(report):
              f"{_fixed(meta.get('load_end'))} at end ({meta.get('cpu_count', '?')} CPUs)"]
     for name, server in report["servers"].items():
         info = server["info"]
-        parts = [f"peak RSS {_fixed(info.get('peak_rss_mib'), 0)} MiB", f"ready in {_fixed(info.get('startup_s'), 1)} s"]
+        parts = [f"peak RSS {_fixed(info.get('peak_rss_mib'), 0)} MiB",
+                 f"ready in {_fixed(info.get('startup_s'), 1)} s"]
         parts += [f"{k}={v}" for k, v in info.items() if k not in ("peak_rss_mib", "startup_s")]
         lines.append(f"{name}: " + "; ".join(parts))
     return "\n".join(lines)
