@@ -28,6 +28,10 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tools"))
+
+from bench_http_report import percentile  # noqa: E402
+
 ROUTES = {"chat": "/v1/chat/completions", "completions": "/v1/completions", "messages": "/v1/messages"}
 
 
@@ -48,16 +52,6 @@ def parse_args(argv=None):
     p.add_argument("--timeout", type=float, default=30.0, help="per burst request")
     p.add_argument("--json", action="store_true")
     return p.parse_args(argv)
-
-
-def percentile(values, q):
-    xs = sorted(values)
-    if not xs:
-        return None
-    pos = (len(xs) - 1) * q / 100.0
-    lo = int(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
 def request_body(route, model, max_tokens, stream, text="Hi"):
