@@ -19,6 +19,7 @@ from .resources.responses import Responses, ResponseStore, StoredResponse
 from .resources.models import Model, Models
 from .resources.tokenize import Detokenize, Tokenize, TokenizerInfo
 from .resources.openapi import OpenApi
+from .resources.webui import SINK_PATTERN, WebUi
 from .schemas import common, openai
 from .service import Service
 
@@ -74,6 +75,9 @@ def add_routes(app, service, config):
     app.add_route("/tokenizer_info", TokenizerInfo(service))
     app.add_route("/metrics", Metrics(service))
     app.add_route("/openapi.json", OpenApi())
+    if config.web_ui:
+        # NOTE(sink): the chat page is no API route, so it stays out of the route table and the spec
+        app.add_sink(WebUi(), SINK_PATTERN)
 
 
 def envelope_for(path):

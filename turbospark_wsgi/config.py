@@ -30,7 +30,8 @@ class Config:
     REPLICA_ID (sent back in `x-turbospark-replica`; default host:pid), HEADER_TIMEOUT (s from a
     request's first byte to the end of its headers), BODY_TIMEOUT (s to read a request body; over
     either: 408), RESPONSES_STORE_SIZE (stored /v1/responses per worker, 0 = none),
-    RESPONSES_STORE_BYTES (their JSON, conversations included), RESPONSES_STORE_TTL (s, 0 = no limit).
+    RESPONSES_STORE_BYTES (their JSON, conversations included), RESPONSES_STORE_TTL (s, 0 = no limit),
+    WEB_UI (the chat page at `/`: 1 or 0).
     """
 
     models_dir: str = os.path.expanduser("~/.cache/turbospark/models")
@@ -62,6 +63,7 @@ class Config:
     responses_store_size: int = 1000
     responses_store_bytes: int = 64 * 1024 * 1024
     responses_store_ttl: float = 3600.0
+    web_ui: bool = True
     load_default: bool = field(default=True)   # start loading the default model when the app is built
 
     def __post_init__(self):
@@ -135,7 +137,7 @@ def _parse(name, raw):
         return os.path.expanduser(raw)
     if name in _LISTS:
         return tuple(k.strip() for k in raw.split(",") if k.strip())
-    if name == "load_default":
+    if name in ("load_default", "web_ui"):
         return _parse_bool(name, raw)
     if name in _INTS:
         return _parse_number(name, raw, int)

@@ -56,11 +56,12 @@ class RequestContext:
 class ApiKeyAuth:
     """`Authorization: Bearer KEY` or `x-api-key: KEY` against the configured keys.
 
-    Open without a key: `open_paths` (/health, /openapi.json) and CORS preflights (OPTIONS),
-    which browsers send without credentials. Keys are never logged.
+    Open without a key: `open_paths` (/health, /openapi.json, the chat page's files, which hold no
+    data) and CORS preflights (OPTIONS), which browsers send without credentials. Keys are never logged.
     """
 
-    def __init__(self, keys, open_paths=("/health", "/openapi.json")):
+    def __init__(self, keys, open_paths=("/health", "/openapi.json", "/", "/ui/app.js", "/ui/style.css",
+                                       "/ui/favicon.svg")):
         self._digests = [_digest(k) for k in keys]
         self._open = frozenset(open_paths)
 
