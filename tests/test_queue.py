@@ -194,3 +194,37 @@ def test_under_gevent_the_compute_thread_is_native_and_the_queue_cooperative():
     import sys
     out = subprocess.run([sys.executable, "-c", GEVENT_SCRIPT], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "ok", out.stderr
+
+
+def _holders_in_turn(q, tickets):
+    """Releases the running tickets one at a time; the order in which the waiters got a slot."""
+    order = []
+    waiting = [t for t in tickets if not t.wait(0)]
+    while waiting:
+        running = [t for t in tickets if t.holding and not t.left]
+        running[0].release()
+        for t in list(waiting):
+            if t.wait(0):
+                order.append(t)
+                waiting.remove(t)
+    return order
+
+
+def test_waiters_take_turns_between_clients_and_keep_their_own_order():
+    q = LockQueue(max_waiting=16, slots=2)
+    burst = [q.enqueue(client="a") for _ in range(6)]            # a fills both slots and waits with 4 more
+    late = [q.enqueue(client="b"), q.enqueue(client="c"), q.enqueue(client="b")]
+    order = _holders_in_turn(q, burst + late)
+    names = [("a" if t in burst else "b" if t in (late[0], late[2]) else "c") for t in order]
+    assert names == ["b", "c", "b", "a", "a", "a", "a"]         # b's and c's first before a's 3rd..6th
+    assert [t for t in order if t in burst] == burst[2:]         # each client's own tickets in order
+    assert order.index(late[0]) < order.index(late[2])
+
+
+def test_one_client_is_plain_fifo():
+    q = LockQueue(max_waiting=8, slots=2)
+    tickets = [q.enqueue(client="same") for _ in range(7)]
+    assert _holders_in_turn(q, tickets) == tickets[2:]
+    unnamed = LockQueue(max_waiting=8, slots=1)
+    tickets = [unnamed.enqueue() for _ in range(4)]
+    assert _holders_in_turn(unnamed, tickets) == tickets[1:]

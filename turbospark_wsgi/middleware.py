@@ -265,6 +265,15 @@ def _short(exc):
     return text if len(text) <= 200 else text[:200] + "..."
 
 
+def client_key(req):
+    """Who a request is for fair queueing: a digest of the API key it presents (any key, also on an
+    open server), else its peer address. Never the key itself."""
+    given = _bearer(req.get_header("Authorization")) or req.get_header("x-api-key")
+    if given:
+        return "key:" + _digest(given).hex()[:16]
+    return "addr:" + (req.remote_addr or "")
+
+
 def _bearer(header):
     if header and header[:7].lower() == "bearer ":
         return header[7:].strip()

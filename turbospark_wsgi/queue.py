@@ -1,8 +1,8 @@
-"""The process-wide FIFO lock queue: up to `slots` generations run (they share batched decode
-steps in the engine), up to `max_waiting` more wait in ticket order.
+"""The process-wide lock queue: up to `slots` generations run (they share batched decode steps in
+the engine), up to `max_waiting` more wait, taking turns between clients (FIFO within a client).
 
     queue.check_room()                      # Overloaded at once when full (no place taken, no lock)
-    ticket = queue.enqueue(cancel)          # Overloaded (503 + Retry-After) when the queue is full
+    ticket = queue.enqueue(cancel, client)  # Overloaded (503 + Retry-After) when the queue is full
     while not ticket.wait(keepalive):       # True: this ticket holds the lock
         if ticket.left: return              # cancelled while queued
         yield keep_alive
@@ -38,14 +38,16 @@ class Cancelled(Exception):
 
 
 class Ticket:
-    __slots__ = ("_queue", "_state", "_deadline", "enqueued_at", "acquired_at")
+    __slots__ = ("_queue", "_state", "_deadline", "enqueued_at", "acquired_at", "client", "turn")
 
-    def __init__(self, queue, deadline):
+    def __init__(self, queue, deadline, client="", turn=0):
         self._queue = queue
         self._state = _WAITING
         self._deadline = deadline
         self.enqueued_at = time.monotonic()
         self.acquired_at = None
+        self.client = client        # whose request (see enqueue)
+        self.turn = turn            # the client's tickets ahead of this one when it came
 
     @property
     def holding(self):
@@ -113,16 +115,23 @@ class LockQueue:
         if self._full():
             raise self._busy()
 
-    def enqueue(self, cancel=None):
-        """A new ticket at the back of the queue; Overloaded when `max_waiting` are already waiting."""
+    def enqueue(self, cancel=None, client=""):
+        """A new ticket for `client`; Overloaded when `max_waiting` are already waiting.
+
+        NOTE(fair): waiters take turns between clients. A ticket's turn is how many tickets its client
+        already has in the queue (running or waiting); it waits behind every waiter whose turn is not
+        later than its own, so a client with nothing queued goes before the 9th request of a client
+        that fills the batch, and each client's own requests stay in order. With one client (or
+        none named) this is plain FIFO."""
         with self._condition():
             if self.shutting_down:
                 raise _shutting_down(self.retry_after)
             if self._full():
                 raise self._busy()
             deadline = time.monotonic() + self.timeout if self.timeout else None
-            ticket = Ticket(self, deadline)
-            self._tickets.append(ticket)
+            turn = sum(1 for t in self._tickets if t.client == client)
+            ticket = Ticket(self, deadline, client, turn)
+            self._tickets.insert(self._place(turn), ticket)
         if cancel is not None:
             cancel.on_cancel(ticket.abandon)
         return ticket
@@ -140,6 +149,13 @@ class LockQueue:
             yield ticket
         finally:
             ticket.release()
+
+    def _place(self, turn):
+        """Where a ticket of `turn` goes: after the slot holders and every waiter not later than it."""
+        place = len(self._tickets)
+        while place > self.slots and self._tickets[place - 1].turn > turn:
+            place -= 1
+        return place
 
     def _full(self):
         return len(self._tickets) >= self.slots and self.depth >= self.max_waiting

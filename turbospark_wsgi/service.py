@@ -48,6 +48,8 @@ class GenerationRequest:
     grammar: dict | None = None             # llguidance grammar spec the output must follow
     grammar_param: str = "response_format"  # the request field blamed when the grammar cannot compile
     request_id: str = ""
+    client: str = ""                        # whose request (an API key's digest or an address): the
+                                            # queue takes turns between clients
     prompt_param: str = "prompt"            # the request field blamed when the prompt is too long
     assistant_prefix: str = ""              # chat only: text the reply starts with (a forced tool call)
     thinking_budget: int | None = None      # reasoning tokens before the think tag is closed (no grammar)
@@ -93,7 +95,7 @@ class Service:
         if req.prompts is not None:
             return self._admit_batch(engine, req, cancel)
         ids, params, grammar = self._prepare(engine, req)
-        ticket = self.queue.enqueue(cancel)
+        ticket = self.queue.enqueue(cancel, client=req.client)
         return Generation(engine, ids, params, req, cancel, ticket, self.config.keepalive, grammar)
 
     def _prepare(self, engine, req):
@@ -118,7 +120,7 @@ class Service:
                 # NOTE(cancel): each run ends its own token when it closes; the request's token ends them all.
                 token = CancelToken()
                 cancel.on_cancel(token.cancel)
-                ticket = self.queue.enqueue(token)
+                ticket = self.queue.enqueue(token, client=req.client)
                 gens.append(Generation(engine, ids, params, r, token, ticket, self.config.keepalive, grammar,
                                        poll=True))
         except BaseException:

@@ -61,3 +61,21 @@ def test_a_request_that_fits_is_still_admitted(make_harness):
         gen.close()
     finally:
         holder.release()
+
+
+def test_the_queue_knows_whose_request_it_is_without_holding_the_key(harness):
+    seen = []
+    real = harness.service.queue.enqueue
+
+    def recording(cancel=None, client=""):
+        seen.append(client)
+        return real(cancel, client=client)
+
+    harness.service.queue.enqueue = recording
+    client = harness.client()
+    body = ROUTES["/v1/completions"]
+    for headers in ({"Authorization": "Bearer sk-one"}, {"x-api-key": "sk-two"}, {"Authorization": "Bearer sk-one"}, {}):
+        client.post_json("/v1/completions", body, headers=headers)
+    assert seen[0] == seen[2] and len(set(seen)) == 3
+    assert seen[0].startswith("key:") and seen[3].startswith("addr:")
+    assert not any("sk-" in s for s in seen)

@@ -8,7 +8,7 @@ import logging
 
 from ..cancel import CancelToken, DisconnectWatcher
 from ..errors import ApiError, EngineError
-from ..middleware import request_id
+from ..middleware import client_key, request_id
 from ..service import collect
 from ..sse import SSEStream
 
@@ -21,7 +21,7 @@ CLIENT_CLOSED = 499     # nginx's code for "client closed request"; nobody reads
 
 def begin(service, req, gen):
     """Admits `gen` (eagerly) and starts a disconnect watcher on the client socket."""
-    gen.request_id = request_id(req)
+    gen.request_id, gen.client = request_id(req), client_key(req)
     cancel = CancelToken()
     events = service.run(gen, cancel)
     req.context.generation = events
