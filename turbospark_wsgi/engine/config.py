@@ -1,9 +1,17 @@
 from dataclasses import dataclass, field
 
+# ModelConfig.arch -> what sets the family apart from llama, as ModelConfig fields. The forward pass
+# is one; an architecture is these switches plus the tensors its weight table adds.
+ARCH_FEATURES = {
+    "llama": {},
+    "qwen2": {"attn_bias": True},     # q/k/v projections carry biases
+    "qwen3": {"qk_norm": True},       # per-head RMSNorm of q and k before the rotation
+}
+
 
 @dataclass(slots=True)
 class ModelConfig:
-    arch: str                      # "llama" (llama family), later "qwen2", "qwen3", "gemma3"
+    arch: str                      # a key of ARCH_FEATURES: "llama" (llama, mistral), "qwen2", "qwen3"
     n_layer: int
     dim: int
     n_head: int
@@ -18,8 +26,14 @@ class ModelConfig:
     rope_scaling: dict = field(default_factory=dict)   # {"type": "linear"|"llama3"|..., "factor": ...}
     tied_embeddings: bool = False
     name: str = ""
+    attn_bias: bool = False        # q/k/v biases (Qwen2)
+    qk_norm: bool = False          # RMSNorm over each q and k head, weights [head_dim] (Qwen3)
 
     def __post_init__(self):
+        if self.arch not in ARCH_FEATURES:
+            raise ValueError(f"unsupported model architecture {self.arch!r}")
+        for k, v in ARCH_FEATURES[self.arch].items():
+            setattr(self, k, v)
         if not self.head_dim:
             self.head_dim = self.dim // self.n_head
         if not self.rope_dim:

@@ -303,7 +303,8 @@ def _tensor_info(name, shape, gtype, rel, data_start, align, size):
 
 # ---------------------------------------------------------------------------- config
 
-_ARCHITECTURES = {"llama": "llama"}   # GGUF general.architecture -> ModelConfig.arch
+# GGUF general.architecture -> ModelConfig.arch (llama.cpp writes Mistral models as "llama")
+_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 
 
 def model_config_from_gguf(metadata):

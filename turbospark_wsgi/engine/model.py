@@ -88,7 +88,7 @@ class Transformer:
         x = self._embed(ids)                                            # [T, dim]
         for i, lw in enumerate(w.layers):
             h = rms_norm(x, lw.attn_norm, c.norm_eps, xp)               # [T, dim]
-            qkv = mm(h, lw.wqkv, xp).reshape(T, H + 2 * G, c.head_dim)  # [T, H+2G, D]  q|k|v heads
+            qkv = self._heads(mm(h, lw.wqkv, xp), lw, T)                # [T, H+2G, D]  q|k|v heads
             qk = rope(qkv[:, :H + G], cos, sin, c.rope_dim, xp)         # [T, H+G, D]  rotated q and k
             keys, vals = cache.update(i, pos, qk[:, H:], qkv[:, H + G:], span)  # [<=span, G, D] each
             att = self._prompt_attention(qk[:, :H], keys, vals, pos)    # [T, H*D]
@@ -119,7 +119,7 @@ class Transformer:
         x = self._embed(ids)[:, None, :]                                # [B, 1, dim]
         for i, lw in enumerate(w.layers):
             h = rms_norm(x, lw.attn_norm, c.norm_eps, xp)               # [B, 1, dim]
-            qkv = (h @ lw.wqkv).reshape(B, H + 2 * G, D)                # [B, H+2G, D]  q|k|v heads
+            qkv = self._heads(h @ lw.wqkv, lw, B)                       # [B, H+2G, D]  q|k|v heads
             qk = rope(qkv[:, :H + G], cos, sin, c.rope_dim, xp)         # [B, H+G, D]
             att = xp.empty((B, 1, H * D), dtype=x.dtype)                # [B, 1, H*D]
             for b, cache in enumerate(caches):
@@ -131,6 +131,22 @@ class Transformer:
         for b, cache in enumerate(caches):
             cache.length = pos[b] + 1
         return to_host(rms_norm(x, w.norm, c.norm_eps, xp) @ w.head)[:, 0]   # [B, vocab]
+
+    def _heads(self, qkv, lw, rows):
+        """The q|k|v product `[rows, (H+2G)*D]` (any leading shape) as heads `[rows, H+2G, D]`, with
+        the architecture's biases added and q/k heads RMS-normed where it has them.
+
+        NOTE(exact-prefix): both steps are elementwise or reduce over one head of one row, so a
+        position's bits stay independent of the rows computed with it."""
+        c, xp = self.cfg, self.xp
+        H, G = c.n_head, c.n_kv_head
+        if lw.bqkv is not None:
+            qkv = qkv + lw.bqkv
+        qkv = qkv.reshape(rows, H + 2 * G, c.head_dim)
+        if lw.q_norm is not None:
+            qkv[:, :H] = rms_norm(qkv[:, :H], lw.q_norm, c.norm_eps, xp)
+            qkv[:, H:H + G] = rms_norm(qkv[:, H:H + G], lw.k_norm, c.norm_eps, xp)
+        return qkv
 
     def _embed(self, ids):
         w, xp = self.w, self.xp

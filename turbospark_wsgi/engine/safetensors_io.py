@@ -13,7 +13,8 @@ _DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}
 # every dtype the safetensors format defines -> bytes per element: enough to check a tensor's extent
 _ITEM_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E8M0": 1, "I16": 2, "U16": 2,
                "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
-_ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama"}
+_ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama",
+                  "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
 INDEX_FILE = "model.safetensors.index.json"
 MAX_HEADER_BYTES = 100 * 2 ** 20   # the safetensors format's own limit
 MAX_DIMS = 8
@@ -156,7 +157,7 @@ def _shards(index):
 
 
 def model_config_from_hf(config):
-    """A ModelConfig from a parsed config.json (Llama and Mistral causal LMs). An unsupported
+    """A ModelConfig from a parsed config.json (Llama, Mistral, Qwen2 and Qwen3 causal LMs). An unsupported
     architecture, a missing key or a value that cannot describe a model raises ValueError naming it."""
     archs = config.get("architectures") or [config.get("model_type", "?")]
     if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
@@ -195,7 +196,7 @@ def model_config_from_hf(config):
         raise ValueError(f"config.json num_key_value_heads {n_kv_head} does not divide "
                          f"num_attention_heads {n_head}")
     max_seq = count("max_position_embeddings", 2048)
-    if config.get("sliding_window"):
+    if config.get("sliding_window") and config.get("use_sliding_window", True):   # Qwen: off unless asked
         # NOTE(window): attention here is global; capping the context at the window keeps it exact
         max_seq = min(max_seq, count("sliding_window"))
     head_dim = count("head_dim", 0, least=0)

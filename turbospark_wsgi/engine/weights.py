@@ -16,6 +16,12 @@ LAYER_TENSORS = {
     "w_gate": ("blk.{i}.ffn_gate.weight", "model.layers.{i}.mlp.gate_proj.weight"),
     "w_up": ("blk.{i}.ffn_up.weight", "model.layers.{i}.mlp.up_proj.weight"),
     "w_down": ("blk.{i}.ffn_down.weight", "model.layers.{i}.mlp.down_proj.weight"),
+    # only where the config asks for them (ModelConfig.attn_bias, .qk_norm)
+    "bq": ("blk.{i}.attn_q.bias", "model.layers.{i}.self_attn.q_proj.bias"),
+    "bk": ("blk.{i}.attn_k.bias", "model.layers.{i}.self_attn.k_proj.bias"),
+    "bv": ("blk.{i}.attn_v.bias", "model.layers.{i}.self_attn.v_proj.bias"),
+    "q_norm": ("blk.{i}.attn_q_norm.weight", "model.layers.{i}.self_attn.q_norm.weight"),
+    "k_norm": ("blk.{i}.attn_k_norm.weight", "model.layers.{i}.self_attn.k_norm.weight"),
 }
 MODEL_TENSORS = {
     "tok_embd": ("token_embd.weight", "model.embed_tokens.weight"),
@@ -34,6 +40,9 @@ class LayerWeights:
     ffn_norm: object    # [dim]
     w_gate_up: object   # [dim, 2 * ffn_dim]  gate | up
     w_down: object      # [ffn_dim, dim]
+    bqkv: object = None     # [(n_head + 2*n_kv_head) * head_dim]  q (pre-scaled) | k | v biases, or None
+    q_norm: object = None   # [head_dim] per-head RMSNorm of q, pre-scaled by 1/sqrt(head_dim), or None
+    k_norm: object = None   # [head_dim] per-head RMSNorm of k, or None
 
 
 @dataclass(slots=True)
@@ -70,9 +79,46 @@ def unpermute_rotary_rows(w, n_heads):
     return w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def gguf_rows_permuted(cfg):
+    """Whether llama.cpp's converter interleaved this GGUF's Q/K rows (it does so for the llama
+    architecture only; Qwen's and the other families' files keep Hugging Face's rows)."""
+    return cfg.arch == "llama"
+
+
+def query_scale(cfg):
+    """The attention scale 1/sqrt(head_dim) as float32."""
+    return np.float32(1.0 / np.sqrt(cfg.head_dim))
+
+
+def _vector(source, ours, fmt, layer, size):
+    v = fetch(source, ours, fmt, layer)
+    if tuple(v.shape) != (size,):
+        raise ValueError(f"tensor {tensor_name(ours, fmt, layer)!r} has shape {tuple(v.shape)}, "
+                         f"the model's config implies {(size,)}")
+    return np.asarray(v, dtype=np.float32)
+
+
+def attention_extras(cfg, source, fmt, i, xp):
+    """(bqkv, q_norm, k_norm) of layer i, host float32 uploaded with `xp.asarray`, None where the
+    architecture has none. The attention scale lands on the q bias (q is scaled with Wq) or, with a
+    q norm, on the norm weight instead (the norm would undo a scale folded into Wq)."""
+    H, G, D = cfg.n_head, cfg.n_kv_head, cfg.head_dim
+    bqkv = q_norm = k_norm = None
+    if cfg.qk_norm:
+        q_norm = xp.asarray(_vector(source, "q_norm", fmt, i, D) * query_scale(cfg))
+        k_norm = xp.asarray(_vector(source, "k_norm", fmt, i, D))
+    if cfg.attn_bias:
+        bq = _vector(source, "bq", fmt, i, H * D)
+        if not cfg.qk_norm:
+            bq = bq * query_scale(cfg)
+        bqkv = xp.asarray(np.concatenate([bq, _vector(source, "bk", fmt, i, G * D),
+                                          _vector(source, "bv", fmt, i, G * D)]))
+    return bqkv, q_norm, k_norm
+
+
 def load_weights(cfg, source, fmt, xp):
     """Every tensor the model needs, mapped, fused, transposed and uploaded with `xp.asarray`."""
-    if fmt == "gguf" and cfg.rope_dim != cfg.head_dim:
+    if fmt == "gguf" and gguf_rows_permuted(cfg) and cfg.rope_dim != cfg.head_dim:
         raise ValueError(f"partial rotary (rope_dim {cfg.rope_dim} < head_dim {cfg.head_dim}) in a "
                          "llama GGUF is not supported")
     layers = [_layer(cfg, source, fmt, i, xp) for i in range(cfg.n_layer)]
@@ -92,18 +138,22 @@ def _layer(cfg, source, fmt, i, xp):
         return fetch(source, ours, fmt, i)
 
     wq, wk = get("wq"), get("wk")                                           # [H*D, dim], [G*D, dim]
-    if fmt == "gguf" and cfg.arch == "llama":
+    if fmt == "gguf" and gguf_rows_permuted(cfg):
         wq, wk = unpermute_rotary_rows(wq, cfg.n_head), unpermute_rotary_rows(wk, cfg.n_kv_head)
     # NOTE(scale): the attention scale 1/sqrt(head_dim) is folded into Wq (rotary is linear, so
-    # scaling before or after it is the same); for power-of-two head sizes this is exact.
-    wq = wq * np.float32(1.0 / np.sqrt(cfg.head_dim))
+    # scaling before or after it is the same); for power-of-two head sizes this is exact. A q norm
+    # takes it instead (see attention_extras).
+    if not cfg.qk_norm:
+        wq = wq * query_scale(cfg)
+    bqkv, q_norm, k_norm = attention_extras(cfg, source, fmt, i, xp)
     return LayerWeights(
         attn_norm=xp.asarray(get("attn_norm")),
         wqkv=_upload_t(np.concatenate([wq, wk, get("wv")]), xp),
         wo=_upload_t(get("wo"), xp),
         ffn_norm=xp.asarray(get("ffn_norm")),
         w_gate_up=_upload_t(np.concatenate([get("w_gate"), get("w_up")]), xp),
-        w_down=_upload_t(get("w_down"), xp))
+        w_down=_upload_t(get("w_down"), xp),
+        bqkv=bqkv, q_norm=q_norm, k_norm=k_norm)
 
 
 def _upload_t(w, xp):
@@ -137,9 +187,13 @@ def load_quantized_weights(cfg, source):
 
         wq, wk, wv = blocks("wq", i), blocks("wk", i), blocks("wv", i)
         if wq is not None and wk is not None:
-            wq = wq.map_rows(lambda a: unpermute_rotary_rows(a, cfg.n_head)).scaled(1.0 / np.sqrt(cfg.head_dim))
-            wk = wk.map_rows(lambda a: unpermute_rotary_rows(a, cfg.n_kv_head))
+            if gguf_rows_permuted(cfg):
+                wq = wq.map_rows(lambda a: unpermute_rotary_rows(a, cfg.n_head))
+                wk = wk.map_rows(lambda a: unpermute_rotary_rows(a, cfg.n_kv_head))
+            if not cfg.qk_norm:
+                wq = wq.scaled(1.0 / np.sqrt(cfg.head_dim))
         fp = _layer(cfg, source, "gguf", i, np) if None in (wq, wk, wv) else None
+        bqkv, q_norm, k_norm = attention_extras(cfg, source, "gguf", i, np)
         return LayerWeights(
             attn_norm=get("attn_norm"),
             wqkv=linear([wq, wk, wv], lambda: fp.wqkv),
@@ -147,7 +201,8 @@ def load_quantized_weights(cfg, source):
             ffn_norm=get("ffn_norm"),
             w_gate_up=linear([blocks("w_gate", i), blocks("w_up", i)],
                              lambda: _upload_t(np.concatenate([get("w_gate"), get("w_up")]), np)),
-            w_down=linear([blocks("w_down", i)], lambda: _upload_t(get("w_down"), np)))
+            w_down=linear([blocks("w_down", i)], lambda: _upload_t(get("w_down"), np)),
+            bqkv=bqkv, q_norm=q_norm, k_norm=k_norm)
 
     head, tok_embd = _quantized_head(cfg, source, blocks, kernels_cpu, quant)
     rope_name = tensor_name("rope_freqs", "gguf")

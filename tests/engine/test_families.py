@@ -1,0 +1,193 @@
+"""Model families beyond llama (Qwen2 attention biases, Qwen3 q/k norms): parity with Hugging Face
+transformers on tiny random models, as GGUF and as Hugging Face directories, and the exactness that
+batching and the prefix cache rely on."""
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from turbospark_wsgi.engine import Token, load_engine  # noqa: E402
+from turbospark_wsgi.engine.loader import load_model  # noqa: E402
+
+
+def _module(name, filename):
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(filename))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+tiny = _module("tiny_models_families", "conftest.py")
+parity = _module("parity_hf_families", "test_parity_hf.py")
+batching = _module("batching_families", "test_batching.py")
+_one_thread = parity._one_thread          # the same one-thread fixture as the llama parity tests
+
+FAMILIES = {
+    "qwen2": {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "use_sliding_window": False,
+              "rope_theta": 1000000.0, "rms_norm_eps": 1e-6},
+    "qwen3": {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "head_dim": 32,
+              "attention_bias": False, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6},
+}
+
+
+def family_config(family, tied=False, n_kv_head=2):
+    return tiny.hf_config(n_kv_head, tied, **FAMILIES[family])
+
+
+def family_state(family, cfg, seed=0):
+    """The llama tensors plus the family's own: Qwen2's q/k/v biases, Qwen3's per-head norms."""
+    rng = np.random.default_rng(seed + 100)
+    state = tiny.random_state(cfg, seed)
+    hd = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}.self_attn."
+        if family == "qwen2":
+            for proj, heads in (("q", cfg["num_attention_heads"]), ("k", cfg["num_key_value_heads"]),
+                                ("v", cfg["num_key_value_heads"])):
+                state[f"{p}{proj}_proj.bias"] = (0.5 * rng.standard_normal(heads * hd)).astype(np.float32)
+        if family == "qwen3":
+            for proj in ("q", "k"):
+                state[f"{p}{proj}_norm.weight"] = (1.0 + 0.2 * rng.standard_normal(hd)).astype(np.float32)
+    return state
+
+
+_EXTRA_GGUF = {"self_attn.q_proj.bias": "attn_q.bias", "self_attn.k_proj.bias": "attn_k.bias",
+               "self_attn.v_proj.bias": "attn_v.bias", "self_attn.q_norm.weight": "attn_q_norm.weight",
+               "self_attn.k_norm.weight": "attn_k_norm.weight"}
+
+
+def gguf_name(hf_name):
+    if hf_name.startswith("model.layers."):
+        _, _, i, rest = hf_name.split(".", 3)
+        if rest in _EXTRA_GGUF:
+            return f"blk.{i}.{_EXTRA_GGUF[rest]}"
+    return tiny.gguf_name(hf_name)
+
+
+def write_family_gguf(path, family, cfg, state, qtype):
+    """A GGUF laid out as llama.cpp's converter writes these families: Q/K rows as in Hugging Face
+    (no llama interleave), vectors (norms, biases) in float32. Returns the values the file holds."""
+    import gguf
+    w = gguf.GGUFWriter(str(path), family)
+    w.add_name(f"tiny-{family}")
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_rope_freq_base(cfg["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    if cfg.get("head_dim"):
+        w.add_key_length(cfg["head_dim"])
+        w.add_value_length(cfg["head_dim"])
+    w.add_vocab_size(cfg["vocab_size"])
+    tiny._add_gguf_tokenizer(w)
+    held = {name: tiny.store_gguf_tensor(w, gguf_name(name), value, qtype) for name, value in state.items()}
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return held
+
+
+def hf_model(cfg, state):
+    """A transformers model of cfg's family holding exactly `state`."""
+    kw = {k: v for k, v in cfg.items() if k not in parity._CONFIG_ONLY}
+    config = transformers.AutoConfig.for_model(cfg["model_type"], **kw, attn_implementation="eager")
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    missing, unexpected = model.load_state_dict({k: torch.from_numpy(v) for k, v in state.items()},
+                                                strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}
+    return model.eval()
+
+
+def family_gguf(tmp_path, family, qtype="F32", tied=False, n_kv_head=2):
+    cfg = family_config(family, tied, n_kv_head)
+    path = tmp_path / f"tiny-{family}-{qtype}.gguf"
+    return path, cfg, write_family_gguf(path, family, cfg, family_state(family, cfg), qtype)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("qtype, tied", [("F32", False), ("Q8_0", True)])
+def test_gguf_family_matches_transformers(tmp_path, family, qtype, tied):
+    path, cfg, held = family_gguf(tmp_path, family, qtype, tied)
+    loaded = load_model(path, device="cpu")
+    assert loaded.config.arch == family and loaded.config.tied_embeddings == tied
+    parity.assert_parity(loaded, hf_model(cfg, held))
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_hf_dir_family_matches_transformers(tmp_path, family):
+    cfg = family_config(family, tied=True)
+    tiny.write_hf_dir(tmp_path / family, cfg, family_state(family, cfg))
+    loaded = load_model(tmp_path / family, device="cpu")
+    assert loaded.kind == "hf" and loaded.config.arch == family
+    reference = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / family, dtype=torch.float32, attn_implementation="eager").eval()
+    parity.assert_parity(loaded, reference)
+
+
+def test_the_family_tensors_matter(tmp_path):
+    """Without its biases a Qwen2 model is another model: the parity above is not vacuous."""
+    path, cfg, held = family_gguf(tmp_path, "qwen2")
+    model = load_model(path, device="cpu").model
+    ours = model.forward(parity.PROMPT, model.new_cache(), logits="all")
+    unbiased = {k: 0 * v if k.endswith(".bias") else v for k, v in held.items()}
+    assert np.abs(ours - parity.hf_logits(hf_model(cfg, unbiased), parity.PROMPT)).max() > 0.1
+
+
+def test_missing_family_tensor_is_named(tmp_path):
+    cfg = family_config("qwen3")
+    state = family_state("qwen3", cfg)
+    del state["model.layers.1.self_attn.k_norm.weight"]
+    tiny.write_hf_dir(tmp_path / "m", cfg, state)
+    with pytest.raises(ValueError, match=r"model.layers.1.self_attn.k_norm.weight"):
+        load_model(tmp_path / "m", device="cpu")
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "phi2"])
+def test_unsupported_architecture_is_named_at_load(tmp_path, arch):
+    import gguf
+    w = gguf.GGUFWriter(str(tmp_path / "x.gguf"), arch)
+    w.add_block_count(1)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ValueError, match=f"unsupported model architecture '{arch}'"):
+        load_model(tmp_path / "x.gguf", device="cpu")
+
+
+@pytest.fixture(params=list(FAMILIES))
+def family_engine(request, tmp_path):
+    path, _, _ = family_gguf(tmp_path, request.param, "Q8_0")
+    return load_engine(path, device="cpu", max_batch=4, prefill_chunk=8)
+
+
+def test_family_batched_greedy_equals_solo(family_engine):
+    batching.test_batched_greedy_equals_solo(family_engine)
+
+
+def test_family_prefix_cache_hit_equals_miss(family_engine):
+    batching.test_prefix_cache_hit_gives_identical_logits_and_tokens(family_engine)
+
+
+def test_family_decode_batch_rows_equal_single_rows(family_engine):
+    batching.test_decode_batch_rows_are_bit_identical_to_single_rows(family_engine)
+
+
+def test_family_reply_is_reused_exactly(family_engine):
+    assert family_engine.model.decode_exact
+    batching.test_a_reply_is_reused_like_prompt_tokens_and_the_next_turn_equals_a_cold_run(family_engine)
+
+
+def test_family_engine_generates(family_engine):
+    from turbospark_wsgi.engine import SamplingParams
+    prompt = family_engine.encode("the cat", add_bos=True)
+    events = list(family_engine.generate(prompt, SamplingParams(temperature=0, max_new_tokens=4)))
+    assert sum(isinstance(e, Token) for e in events) >= 1
