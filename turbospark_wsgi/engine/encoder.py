@@ -1,0 +1,275 @@
+"""Sentence embeddings: a BERT encoder and the pooling a sentence-transformers directory declares.
+
+A small module beside the decoder rather than data in its configuration: BERT differs in almost
+every step (absolute position and token-type embeddings, LayerNorm after each block instead of
+before, GELU instead of a gated MLP, bidirectional attention with a padding mask, no KV cache), so
+sharing `Transformer` would add a branch to each of its steps for one forward pass with no cache.
+
+    enc = load_encoder("/models/all-minilm-l6-v2")
+    vectors = enc.embed([enc.encode("a sentence"), enc.encode("another")])   # float32 [2, dim]
+
+numpy, float32, CPU. The directory holds model.safetensors, config.json, tokenizer.json,
+modules.json and 1_Pooling/config.json (the files sentence-transformers writes).
+"""
+import json
+import os
+
+import numpy as np
+from tokenizers import Tokenizer
+
+from .safetensors_io import SafetensorsFile
+
+MODULES_FILE = "modules.json"
+POOLING_MODES = ("mean", "cls", "lasttoken")
+# PERF(batch): sequences of one call run through the encoder together, padded to the longest of a
+# chunk; chunks bound the attention scores' memory (batch x heads x T x T floats).
+MAX_BATCH_TOKENS = 8192
+
+
+def is_encoder_dir(path):
+    """True for a sentence-transformers directory (the only encoders this engine loads)."""
+    return os.path.isdir(path) and os.path.isfile(os.path.join(path, MODULES_FILE))
+
+
+class EncoderError(ValueError):
+    """The directory is not a BERT sentence-transformers model this encoder can run."""
+
+
+def load_encoder(path, name=None, **_ignored):
+    """An `Encoder` for the sentence-transformers directory `path` (keyword arguments the decoder
+    loader takes, such as device or max_batch, do not apply and are ignored)."""
+    return Encoder(path, name=name)
+
+
+class Encoder:
+    """A BERT encoder with its tokenizer, pooling and normalisation."""
+
+    kind = "embedding"
+    backend = "numpy"
+
+    def __init__(self, path, name=None):
+        self.path = str(path)
+        self.name = name or os.path.basename(self.path.rstrip(os.sep))
+        cfg = _read_json(path, "config.json")
+        if cfg.get("model_type") != "bert":
+            raise EncoderError(f"unsupported encoder model_type {cfg.get('model_type')!r} (bert only)")
+        if cfg.get("position_embedding_type", "absolute") != "absolute":
+            raise EncoderError("only absolute position embeddings are supported")
+        if cfg.get("hidden_act", "gelu") != "gelu":
+            raise EncoderError(f"unsupported hidden_act {cfg.get('hidden_act')!r}")
+        self.n_layers = int(cfg["num_hidden_layers"])
+        self.n_heads = int(cfg["num_attention_heads"])
+        self.hidden = int(cfg["hidden_size"])
+        self.eps = float(cfg.get("layer_norm_eps", 1e-12))
+        self.vocab_size = int(cfg["vocab_size"])
+        self.pooling, self.normalize = _pooling(path)
+        self.max_tokens = min(int(cfg.get("max_position_embeddings", 512)), _max_seq_length(path))
+        self.dim = self.hidden
+        self.matryoshka = _declares_matryoshka(path)
+        self.tokenizer = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
+        # NOTE(tokenizer): truncation and padding here are ours to do (limits are checked, not cut)
+        self.tokenizer.no_truncation()
+        self.tokenizer.no_padding()
+        self.pad_id = int(cfg.get("pad_token_id", 0) or 0)
+        self._load_weights(os.path.join(path, "model.safetensors"))
+
+    # ---- weights ---------------------------------------------------------------------------------
+
+    def _load_weights(self, file):
+        st = SafetensorsFile(file)
+        prefix = "bert." if "bert.embeddings.word_embeddings.weight" in st.names else ""
+
+        def t(name):
+            try:
+                return st.tensor(prefix + name)
+            except KeyError:
+                raise EncoderError(f"model.safetensors has no tensor {prefix + name!r}") from None
+
+        e = "embeddings."
+        self.word = t(e + "word_embeddings.weight")
+        if self.word.shape != (self.vocab_size, self.hidden):
+            raise EncoderError(f"word embeddings are {self.word.shape}, config says "
+                               f"({self.vocab_size}, {self.hidden})")
+        self.position = t(e + "position_embeddings.weight")
+        self.token_type = t(e + "token_type_embeddings.weight")
+        self.emb_norm = (t(e + "LayerNorm.weight"), t(e + "LayerNorm.bias"))
+        self.layers = []
+        for i in range(self.n_layers):
+            p = f"encoder.layer.{i}."
+            a = p + "attention."
+            # NOTE(layout): q, k, v fused into one [in, 3*hidden] matrix: one matmul per layer
+            qkv_w = np.concatenate([t(a + f"self.{n}.weight") for n in ("query", "key", "value")]).T
+            qkv_b = np.concatenate([t(a + f"self.{n}.bias") for n in ("query", "key", "value")])
+            self.layers.append(dict(
+                qkv=(np.ascontiguousarray(qkv_w), qkv_b),
+                attn_out=(np.ascontiguousarray(t(a + "output.dense.weight").T), t(a + "output.dense.bias")),
+                attn_norm=(t(a + "output.LayerNorm.weight"), t(a + "output.LayerNorm.bias")),
+                up=(np.ascontiguousarray(t(p + "intermediate.dense.weight").T), t(p + "intermediate.dense.bias")),
+                down=(np.ascontiguousarray(t(p + "output.dense.weight").T), t(p + "output.dense.bias")),
+                out_norm=(t(p + "output.LayerNorm.weight"), t(p + "output.LayerNorm.bias"))))
+
+    @property
+    def nbytes(self):
+        arrays = [self.word, self.position, self.token_type]
+        arrays += [a for layer in self.layers for pair in layer.values() for a in pair]
+        return sum(a.nbytes for a in arrays)
+
+    # ---- tokens ----------------------------------------------------------------------------------
+
+    def encode(self, text):
+        """Token ids for `text`, with the model's own special tokens ([CLS] ... [SEP])."""
+        return self.tokenizer.encode(text, add_special_tokens=True).ids
+
+    def encode_batch(self, texts):
+        return [e.ids for e in self.tokenizer.encode_batch(list(texts), add_special_tokens=True)]
+
+    # ---- forward ---------------------------------------------------------------------------------
+
+    def embed(self, sequences):
+        """float32 [len(sequences), dim] embeddings of token-id lists (each 1..max_tokens ids, all
+        below vocab_size: the caller checks), pooled and normalised as the model declares."""
+        out = np.empty((len(sequences), self.dim), dtype=np.float32)
+        order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))
+        # NOTE(padding): sorted by length so each padded chunk wastes little on padding
+        start = 0
+        while start < len(order):
+            end = start + 1
+            while end < len(order) and (end - start + 1) * len(sequences[order[end]]) <= MAX_BATCH_TOKENS:
+                end += 1
+            chunk = order[start:end]
+            out[chunk] = self._embed_padded([sequences[i] for i in chunk])
+            start = end
+        return out
+
+    def _embed_padded(self, seqs):
+        lengths = np.array([len(s) for s in seqs])
+        T = int(lengths.max())
+        ids = np.full((len(seqs), T), self.pad_id, dtype=np.int64)
+        for row, s in enumerate(seqs):
+            ids[row, :len(s)] = s
+        mask = np.arange(T)[None, :] < lengths[:, None]
+        hidden = self.forward(ids, mask)
+        return self._pool(hidden, mask, lengths)
+
+    def forward(self, ids, mask):
+        """Last hidden states [B, T, hidden] for padded ids [B, T] with boolean mask [B, T]."""
+        B, T = ids.shape
+        x = self.word[ids] + self.position[:T][None] + self.token_type[0]
+        x = _layer_norm(x, *self.emb_norm, self.eps)
+        # NOTE(mask): padded keys get a large negative score, as the reference does (not -inf: a
+        # row of padding must not turn into NaN)
+        bias = np.where(mask, 0.0, np.finfo(np.float32).min).astype(np.float32)[:, None, None, :]
+        H, d = self.n_heads, self.hidden // self.n_heads
+        scale = np.float32(1.0 / np.sqrt(d))
+        for layer in self.layers:
+            qkv = _linear(x, *layer["qkv"]).reshape(B, T, 3, H, d)
+            q = qkv[:, :, 0].transpose(0, 2, 1, 3)
+            k = qkv[:, :, 1].transpose(0, 2, 3, 1)
+            v = qkv[:, :, 2].transpose(0, 2, 1, 3)
+            scores = np.matmul(q, k) * scale + bias
+            scores -= scores.max(axis=-1, keepdims=True)
+            np.exp(scores, out=scores)
+            scores /= scores.sum(axis=-1, keepdims=True)
+            ctx = np.matmul(scores, v).transpose(0, 2, 1, 3).reshape(B, T, self.hidden)
+            x = _layer_norm(x + _linear(ctx, *layer["attn_out"]), *layer["attn_norm"], self.eps)
+            up = _gelu(_linear(x, *layer["up"]))
+            x = _layer_norm(x + _linear(up, *layer["down"]), *layer["out_norm"], self.eps)
+        return x
+
+    def _pool(self, hidden, mask, lengths):
+        if self.pooling == "cls":
+            pooled = hidden[:, 0]
+        elif self.pooling == "lasttoken":
+            pooled = hidden[np.arange(len(lengths)), lengths - 1]
+        else:
+            m = mask[..., None].astype(np.float32)
+            pooled = (hidden * m).sum(axis=1) / np.maximum(m.sum(axis=1), 1e-9)
+        if self.normalize:
+            pooled = normalize(pooled)
+        return pooled.astype(np.float32)
+
+
+def normalize(vectors):
+    """Rows scaled to unit length (a zero row stays zero), as sentence-transformers' Normalize."""
+    norms = np.linalg.norm(vectors, axis=-1, keepdims=True)
+    return vectors / np.maximum(norms, 1e-12)
+
+
+def _linear(x, w, b):
+    return np.matmul(x, w) + b
+
+
+def _layer_norm(x, w, b, eps):
+    mean = x.mean(axis=-1, keepdims=True)
+    centered = x - mean
+    var = (centered * centered).mean(axis=-1, keepdims=True)
+    return centered / np.sqrt(var + np.float32(eps)) * w + b
+
+
+def _gelu(x):
+    """Exact (erf) GELU, as BERT's "gelu"."""
+    return x * np.float32(0.5) * (np.float32(1.0) + _erf(x * np.float32(1 / np.sqrt(2))))
+
+
+def _erf(x):
+    # NOTE(erf): numpy has no erf; Abramowitz & Stegun 7.1.26 (|error| < 1.5e-7, below float32's
+    # resolution of GELU's output at BERT's activation scales)
+    a = np.abs(x)
+    t = np.float32(1.0) / (np.float32(1.0) + np.float32(0.3275911) * a)
+    poly = t * (np.float32(0.254829592) + t * (np.float32(-0.284496736) + t * (np.float32(1.421413741)
+                + t * (np.float32(-1.453152027) + t * np.float32(1.061405429)))))
+    y = np.float32(1.0) - poly * np.exp(-a * a)
+    return np.copysign(y, x)
+
+
+# ---- the directory's own declarations ------------------------------------------------------------
+
+def _read_json(path, name, default=None):
+    file = os.path.join(path, name)
+    if default is not None and not os.path.isfile(file):
+        return default
+    try:
+        with open(file, encoding="utf-8") as f:
+            return json.load(f)
+    except ValueError as exc:
+        raise EncoderError(f"{name}: not valid JSON ({exc})") from None
+
+
+def _pooling(path):
+    """(mode, normalize) from modules.json and the Pooling module's config.json."""
+    modules = _read_json(path, MODULES_FILE)
+    if not isinstance(modules, list):
+        raise EncoderError(f"{MODULES_FILE}: expected a list of modules")
+    types = [str(m.get("type", "")) for m in modules if isinstance(m, dict)]
+    normalize_ = any(t.endswith(".Normalize") for t in types)
+    pooling = next((m for m in modules if isinstance(m, dict) and str(m.get("type", "")).endswith(".Pooling")), None)
+    if pooling is None:
+        return "cls", normalize_
+    cfg = _read_json(os.path.join(path, pooling.get("path", "")), "config.json")
+    if cfg.get("pooling_mode_mean_tokens"):
+        mode = "mean"
+    elif cfg.get("pooling_mode_cls_token"):
+        mode = "cls"
+    elif cfg.get("pooling_mode_lasttoken"):
+        mode = "lasttoken"
+    else:
+        raise EncoderError(f"{pooling.get('path')}/config.json: unsupported pooling mode "
+                           f"(supported: {', '.join(POOLING_MODES)})")
+    return mode, normalize_
+
+
+def _max_seq_length(path):
+    cfg = _read_json(path, "sentence_bert_config.json", default={})
+    value = cfg.get("max_seq_length") if isinstance(cfg, dict) else None
+    return int(value) if isinstance(value, int) and value > 0 else 512
+
+
+def _declares_matryoshka(path):
+    """True where the model card says the model was trained with MatryoshkaLoss (its vectors keep
+    their meaning when cut to fewer dimensions)."""
+    try:
+        with open(os.path.join(path, "README.md"), encoding="utf-8") as f:
+            card = f.read(65536)
+    except OSError:
+        return False
+    return "MatryoshkaLoss" in card
