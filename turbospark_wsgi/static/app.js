@@ -60,9 +60,12 @@ async function api(path, init = {}) {
 async function loadModels() {
   try {
     const body = await (await api("/v1/models")).json();
-    const chosen = ui.model.value || localStorage.getItem(STORE + ".model");
-    ui.model.replaceChildren(...body.data.map((m) => new Option(m.id, m.id)));
-    if (chosen && body.data.some((m) => m.id === chosen)) ui.model.value = chosen;
+    // The last choice if still offered, else a model already loaded (no wait for a load).
+    const ids = body.data.map((m) => m.id);
+    const loaded = body.data.find((m) => m.loaded);
+    const chosen = [ui.model.value, localStorage.getItem(STORE + ".model"), loaded && loaded.id].find((id) => ids.includes(id));
+    ui.model.replaceChildren(...ids.map((id) => new Option(id, id)));
+    if (chosen) ui.model.value = chosen;
     setStatus("");
   } catch (e) {
     setStatus(e.message);
