@@ -12,6 +12,7 @@ from .errors import (ApiError, EngineError, InvalidRequest, MethodNotAllowed, No
 from .middleware import ApiKeyAuth, BodyLimit, Cors, RequestContext, request_id
 from .resources.chat import ChatCompletions
 from .resources.completions import Completions
+from .resources.embeddings import Embeddings
 from .resources.health import Health
 from .resources.metrics import Metrics
 from .resources.messages import CountTokens, Messages
@@ -61,6 +62,7 @@ def add_routes(app, service, config):
     """The route table: the only place a path is bound to a resource."""
     app.add_route("/v1/completions", Completions(service, config.max_body))
     app.add_route("/v1/chat/completions", ChatCompletions(service, config.max_body))
+    app.add_route("/v1/embeddings", Embeddings(service, config))
     app.add_route("/v1/messages", Messages(service, config.max_body))
     app.add_route("/v1/messages/count_tokens", CountTokens(service, config.max_body))
     # NOTE(store): one store per app, so per worker process (the app is built after the fork).

@@ -25,7 +25,8 @@ class Config:
     (sequences decoded together, also the queue's running slots), PREFILL_CHUNK
     (tokens per prefill step), CORS_ORIGINS (comma list or *; empty = no CORS headers),
     MODEL_MEMORY (bytes for loaded models, 0 = no budget), MAX_PROMPT_TOKENS (0 = the context),
-    MAX_PROMPTS (prompts in one /v1/completions request),
+    MAX_PROMPTS (prompts in one /v1/completions request), MAX_EMBEDDING_INPUTS (inputs in one
+    /v1/embeddings request),
     MAX_TOKENS_CAP (0 = none), MAX_GENERATION_SECONDS (0 = none), GRACEFUL_TIMEOUT (s),
     REPLICA_ID (sent back in `x-turbospark-replica`; default host:pid), HEADER_TIMEOUT (s from a
     request's first byte to the end of its headers), BODY_TIMEOUT (s to read a request body; over
@@ -54,6 +55,7 @@ class Config:
     model_memory: int = 0
     max_prompt_tokens: int = 0
     max_prompts: int = 16
+    max_embedding_inputs: int = 2048
     max_tokens_cap: int = 0
     max_generation_seconds: float = 0.0
     graceful_timeout: float = 600.0
@@ -72,7 +74,8 @@ class Config:
         for name in ("max_waiting", "max_context", "threads", "model_memory", "max_prompt_tokens",
                      "max_tokens_cap", "responses_store_size", "responses_store_bytes"):
             _check_range(name, getattr(self, name), 0)
-        for name in ("max_body", "port", "prefill_chunk", "max_batch", "max_prompts"):
+        for name in ("max_body", "port", "prefill_chunk", "max_batch", "max_prompts",
+                     "max_embedding_inputs"):
             _check_range(name, getattr(self, name), 1)
         for name in ("queue_timeout", "max_generation_seconds", "graceful_timeout", "responses_store_ttl"):
             _check_range(name, getattr(self, name), 0)
@@ -126,7 +129,7 @@ def read_key_file(path):
 
 _ENV_NAMES = {"models_dir": "MODELS"}
 _INTS = {"max_waiting", "max_body", "max_context", "port", "threads", "prefill_chunk", "max_batch", "model_memory",
-         "max_prompt_tokens", "max_prompts", "max_tokens_cap", "responses_store_size", "responses_store_bytes"}
+         "max_prompt_tokens", "max_prompts", "max_embedding_inputs", "max_tokens_cap", "responses_store_size", "responses_store_bytes"}
 _FLOATS = {"queue_timeout", "keepalive", "max_generation_seconds", "graceful_timeout", "header_timeout",
            "body_timeout", "responses_store_ttl"}
 _LISTS = {"api_keys", "cors_origins"}

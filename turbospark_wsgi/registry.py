@@ -24,6 +24,7 @@ class ModelInfo:
     loaded: bool
     created: int
     alias_of: str | None = None     # the installed id an alias points at
+    kind: str = "generation"        # "embedding": a sentence-transformers encoder (/v1/embeddings only)
 
 
 @dataclass(slots=True)
@@ -157,7 +158,7 @@ class Registry:
         started = time.monotonic()
         model_id = _id_for(key, self._installed())
         try:
-            engine = compute.run(self._load_fn(), key, device=self._config.device, name=model_id,
+            engine = compute.run(self._loader_for(key), key, device=self._config.device, name=model_id,
                                  max_context=self._config.max_context, prefill_chunk=self._config.prefill_chunk,
                                  max_batch=self._config.max_batch)
         except Exception as e:     # noqa: BLE001 - any failure to load a file is that model's failure
@@ -205,6 +206,13 @@ class Registry:
             self._loader = load_engine
         return self._loader
 
+    def _loader_for(self, key):
+        """The encoder's loader for a sentence-transformers directory, else the decoder's."""
+        if is_embedding_model(key):
+            from .engine.encoder import load_encoder
+            return load_encoder
+        return self._load_fn()
+
     def _lock_for(self, key):
         with self._guard:
             return self._locks.setdefault(key, threading.Lock())
@@ -247,7 +255,13 @@ class Registry:
 
     def _info(self, model_id, path, alias_of=None):
         return ModelInfo(id=model_id, path=path, loaded=os.path.realpath(path) in self._engines,
-                         created=int(_mtime(path)), alias_of=alias_of)
+                         created=int(_mtime(path)), alias_of=alias_of,
+                         kind="embedding" if is_embedding_model(path) else "generation")
+
+
+def is_embedding_model(path):
+    """A sentence-transformers directory (its modules.json says so): an embedding model."""
+    return os.path.isdir(path) and os.path.isfile(os.path.join(path, "modules.json"))
 
 
 def estimate_bytes(path):

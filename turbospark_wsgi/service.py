@@ -55,6 +55,28 @@ class GenerationRequest:
     thinking_budget: int | None = None      # reasoning tokens before the think tag is closed (no grammar)
 
 
+@dataclass(slots=True)
+class EmbeddingRequest:
+    """One /v1/embeddings request: `texts` (strings) or `ids` (token-id lists), as the schema parsed them."""
+
+    model: str | None = None
+    texts: list | None = None
+    ids: list | None = None
+    dimensions: int | None = None       # None: the model's own
+
+
+@dataclass(slots=True)
+class EmbeddingResult:
+    vectors: list                       # one list of floats per input, in input order
+    prompt_tokens: int
+    model: str
+
+
+# PERF(fairness): the inputs of one request go to the compute thread in chunks of this many, so
+# generations running beside a long list get their decode steps between chunks.
+EMBED_CHUNK = 32
+
+
 class Service:
     """Admits requests, queues them FIFO and drives the engine on the compute thread."""
 
@@ -81,6 +103,7 @@ class Service:
         self.queue.check_room()
         lease = self.registry.acquire(req.model)
         try:
+            _generating(lease.engine, req.model or self.default_model)
             gen = self._admit(lease.engine, req, cancel)
         except BaseException:
             lease.release()
@@ -135,7 +158,8 @@ class Service:
 
     def count_tokens(self, req):
         """Prompt tokens `req` would use (template applied), without queueing or generating."""
-        return len(self._prompt_ids(self.registry.resolve(req.model), req))
+        engine = _generating(self.registry.resolve(req.model), req.model or self.default_model)
+        return len(self._prompt_ids(engine, req))
 
     def chat_template(self, model):
         """The chat template source of `model` (resolving it), for the chat output parsers."""
@@ -237,9 +261,36 @@ class Service:
         except ValueError as e:
             raise InvalidRequest(f"'{req.grammar_param}' cannot be enforced: {e}", param=req.grammar_param) from e
 
+    def embed(self, req):
+        """An EmbeddingResult for an EmbeddingRequest: the inputs checked, then run through the
+        model's encoder on the compute thread (ApiError on refusal)."""
+        self.queue.check_room()
+        name = req.model or self.default_model
+        lease = self.registry.acquire(req.model)
+        try:
+            engine = lease.engine
+            if getattr(engine, "kind", "generation") != "embedding":
+                raise InvalidRequest(f"The model '{name}' is a generation model and does not embed; "
+                                     f"use an embedding model (see GET /v1/models)", param="model",
+                                     code="model_not_embedding")
+            if req.dimensions is not None and not getattr(engine, "matryoshka", False):
+                raise InvalidRequest(f"The model '{name}' does not support 'dimensions' (it declares no "
+                                     f"Matryoshka training); it embeds in {engine.dim}", param="dimensions")
+            if req.dimensions is not None and req.dimensions > engine.dim:
+                raise InvalidRequest(f"'dimensions' is {req.dimensions}; the model '{name}' embeds in "
+                                     f"{engine.dim}", param="dimensions")
+            seqs = _embedding_ids(engine, req)
+            vectors = []
+            for start in range(0, len(seqs), EMBED_CHUNK):
+                chunk = compute.run(engine.embed, seqs[start:start + EMBED_CHUNK], req.dimensions)
+                vectors.extend(chunk.tolist())
+            return EmbeddingResult(vectors, sum(len(s) for s in seqs), name)
+        finally:
+            lease.release()
+
     def tokenize(self, req):
         """(token ids, max context) for a GenerationRequest's prompt, as `run` would build them."""
-        engine = self.registry.resolve(req.model)
+        engine = _generating(self.registry.resolve(req.model), req.model or self.default_model)
         if req.prompt == "":
             return _encode_text(engine, req), self._context(engine)
         return self._prompt_ids(engine, req), self._context(engine)
@@ -247,14 +298,14 @@ class Service:
     def tokenizer_info(self, model):
         """What the tokenizer of `model` (resolving it) is: its special tokens, BOS rule, chat
         template and context, for vLLM's GET /tokenizer_info."""
-        engine = self.registry.resolve(model)
+        engine = _generating(self.registry.resolve(model), model or self.default_model)
         tokenizer = engine.tokenizer
         return TokenizerInfo(bos_token=tokenizer.bos_token, eos_token=tokenizer.eos_token, add_bos=engine.add_bos,
                              chat_template=self.chat_template(model), max_context=self._context(engine))
 
     def detokenize(self, model, ids):
         """The text of token ids (special tokens kept), checked against the vocabulary."""
-        engine = self.registry.resolve(model)
+        engine = _generating(self.registry.resolve(model), model or self.default_model)
         _check_ids(engine, ids, "tokens")
         return engine.decode(list(ids), skip_special=False)
 
@@ -279,6 +330,33 @@ class TokenizerInfo:
     add_bos: bool                           # raw text gets BOS (the model's own rule)
     chat_template: str
     max_context: int
+
+
+def _generating(engine, name):
+    """`engine`, when it generates; a 400 naming the model's kind when it only embeds."""
+    if getattr(engine, "kind", "generation") == "embedding":
+        raise InvalidRequest(f"The model '{name}' is an embedding model and does not generate text; "
+                             f"use it with /v1/embeddings", param="model", code="model_not_generative")
+    return engine
+
+
+def _embedding_ids(engine, req):
+    """Token ids of every input, each checked: not empty, inside the vocabulary, within the
+    model's limit (an input over it is refused, never cut)."""
+    seqs = engine.encode_batch(req.texts) if req.texts is not None else [list(s) for s in req.ids]
+    for i, ids in enumerate(seqs):
+        where = f"input[{i}]" if len(seqs) > 1 or req.texts is None else "input"
+        if req.ids is not None:
+            if not ids:
+                raise InvalidRequest(f"{where} holds no token ids", param="input")
+            bad = next((t for t in ids if not 0 <= t < engine.vocab_size), None)
+            if bad is not None:
+                raise InvalidRequest(f"{where}: token id {bad} is outside the vocabulary "
+                                     f"(0..{engine.vocab_size - 1})", param="input")
+        if len(ids) > engine.max_tokens:
+            raise InvalidRequest(f"{where} has {len(ids)} tokens; this model embeds at most {engine.max_tokens} "
+                                 f"tokens per input", param="input", code="context_length_exceeded")
+    return seqs
 
 
 def _encode_text(engine, req):

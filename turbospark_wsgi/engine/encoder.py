@@ -125,9 +125,10 @@ class Encoder:
 
     # ---- forward ---------------------------------------------------------------------------------
 
-    def embed(self, sequences):
+    def embed(self, sequences, dimensions=None):
         """float32 [len(sequences), dim] embeddings of token-id lists (each 1..max_tokens ids, all
-        below vocab_size: the caller checks), pooled and normalised as the model declares."""
+        below vocab_size: the caller checks), pooled and normalised as the model declares.
+        `dimensions`: keep the first that many (Matryoshka models), normalised again."""
         out = np.empty((len(sequences), self.dim), dtype=np.float32)
         order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))
         # NOTE(padding): sorted by length so each padded chunk wastes little on padding
@@ -139,6 +140,8 @@ class Encoder:
             chunk = order[start:end]
             out[chunk] = self._embed_padded([sequences[i] for i in chunk])
             start = end
+        if dimensions is not None and dimensions < self.dim:
+            out = normalize(out[:, :dimensions]).astype(np.float32)
         return out
 
     def _embed_padded(self, seqs):

@@ -24,5 +24,6 @@ class Model:
 
 
 def _model(info):
-    """The OpenAI model object plus `loaded` (whether it is in memory now)."""
-    return dict(openai.model_object(info), loaded=info.loaded)
+    """The OpenAI model object plus `loaded` (whether it is in memory now) and `kind` (generation
+    or embedding: which routes serve it)."""
+    return dict(openai.model_object(info), loaded=info.loaded, kind=info.kind)

@@ -149,7 +149,24 @@ _SCHEMAS = {
     "TokenCount": {"type": "object", "required": ["input_tokens"], "properties": {"input_tokens": _INT}},
     "Model": {"type": "object", "required": ["id", "object", "created", "owned_by"],
               "properties": {"id": _STR, "object": {"const": "model"}, "created": _INT, "owned_by": _STR,
-                             "loaded": _BOOL}},
+                             "loaded": _BOOL, "kind": {"enum": ["generation", "embedding"]}}},
+    "EmbeddingRequest": {"type": "object", "required": ["input"], "properties": {
+        "model": _STR, "user": _STR, "dimensions": {"type": "integer", "minimum": 1,
+                                                    "description": "only for models trained for it (Matryoshka)"},
+        "encoding_format": {"enum": ["float", "base64"]},
+        "input": {"oneOf": [{"type": "string", "minLength": 1},
+                            {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1},
+                            {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1},
+                            {"type": "array", "minItems": 1,
+                             "items": {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}}],
+                  "description": "at most TURBOSPARK_MAX_EMBEDDING_INPUTS items (default 2048)"}}},
+    "EmbeddingList": {"type": "object", "required": ["object", "data", "model", "usage"], "properties": {
+        "object": {"const": "list"}, "model": _STR,
+        "usage": {"type": "object", "properties": {"prompt_tokens": _INT, "total_tokens": _INT}},
+        "data": {"type": "array", "items": {"type": "object", "required": ["object", "index", "embedding"],
+                                            "properties": {"object": {"const": "embedding"}, "index": _INT,
+                                                           "embedding": {"oneOf": [
+                                                               {"type": "array", "items": _NUM}, _STR]}}}}}},
     "ModelList": {"type": "object", "required": ["object", "data"],
                   "properties": {"object": {"const": "list"}, "data": {"type": "array", "items": _ref("Model")}}},
     "Health": {"type": "object", "required": ["status", "model", "queue"], "properties": {
@@ -200,6 +217,8 @@ def spec(version="0"):
         "paths": {
             "/v1/completions": _post("Raw-prompt completion", "CompletionRequest", "Completion"),
             "/v1/chat/completions": _post("Chat completion", "ChatCompletionRequest", "ChatCompletion"),
+            "/v1/embeddings": _post("Sentence embeddings (embedding models only)", "EmbeddingRequest",
+                                    "EmbeddingList", stream=False),
             "/v1/messages": _post("Anthropic Messages", "MessagesRequest", "Message", "AnthropicError"),
             "/v1/messages/count_tokens": _post(
                 "Anthropic token count", "CountTokensRequest", "TokenCount", "AnthropicError", stream=False),

@@ -1,0 +1,14 @@
+"""POST /v1/embeddings: sentence embeddings from an embedding model (OpenAI shape)."""
+from ..middleware import read_json
+from ..schemas import embeddings
+
+
+class Embeddings:
+    def __init__(self, service, config):
+        self._service = service
+        self._max_body = config.max_body
+        self._max_inputs = config.max_embedding_inputs
+
+    def on_post(self, req, resp):
+        request, fmt = embeddings.parse_embeddings(read_json(req, self._max_body), self._max_inputs)
+        resp.media = embeddings.embeddings_body(self._service.embed(request), fmt)
