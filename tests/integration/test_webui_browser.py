@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from ops_servers import Server, models_dir_with_stories
-from webui_app import PAYLOAD
+from webui_app import PAYLOAD, REASONING
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 webdriver = pytest.importorskip("selenium.webdriver")
@@ -141,8 +141,36 @@ def test_stop_cancels_on_the_server_and_model_markup_is_text(browser, fake):
     assert [li.text for li in messages.find_elements(By.CSS_SELECTOR, ".msg.assistant li")] == [
         "open the page", "pick a model", "ask"]
     assert messages.find_element(By.CSS_SELECTOR, "pre code").text == "print('hello')"
+    reasoning = messages.find_element(By.CSS_SELECTOR, ".msg.assistant details.reasoning")
+    assert reasoning.get_attribute("open") is None and REASONING not in text
+    reasoning.find_element(By.TAG_NAME, "summary").click()
+    assert reasoning.text == "Reasoning\n" + REASONING
     assert browser.find_element(By.ID, "send").is_enabled() and not browser.find_element(By.ID, "stop").is_enabled()
     assert console_errors(browser) == []
+
+
+def test_new_and_delete_conversations_and_a_narrow_screen(browser, fake):
+    open_page(browser, fake)
+    # NOTE(width): headless windows are at least 500 px wide, so 360 px is a device emulation
+    browser.execute_cdp_cmd("Emulation.setDeviceMetricsOverride",
+                            {"width": 360, "height": 740, "deviceScaleFactor": 1, "mobile": True})
+    try:
+        for question in ("first", "second"):
+            browser.find_element(By.ID, "new-chat").click()
+            browser.find_element(By.ID, "prompt").send_keys(question, Keys.ENTER)
+            wait(browser, lambda: "one byte at a time" in assistant_text(browser))
+            browser.find_element(By.ID, "stop").click()
+            wait(browser, lambda: browser.find_element(By.ID, "send").is_enabled())
+        assert browser.execute_script("return [innerWidth, document.documentElement.scrollWidth]") == [360, 360]
+        titles = lambda: [li.text.split("\n")[0] for li in browser.find_elements(By.CSS_SELECTOR, "#conversations li")]
+        assert titles() == ["second", "first"]
+        browser.find_element(By.CSS_SELECTOR, "#conversations li button.delete").click()
+        assert titles() == ["first"] and browser.find_element(By.CSS_SELECTOR, ".msg.user").text.endswith("first")
+        browser.refresh()
+        wait(browser, lambda: titles() == ["first"])
+        assert console_errors(browser) == []
+    finally:
+        browser.execute_cdp_cmd("Emulation.clearDeviceMetricsOverride", {})
 
 
 def test_with_api_keys_the_page_asks_for_one(browser, tmp_path):

@@ -14,7 +14,8 @@ _suite = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_suite)
 
 PAYLOAD = "<img src=x onerror=alert(1)>"
-REPLY = (f"Markup from a model stays text: {PAYLOAD}\n\n"
+REASONING = "The user wants the first steps."
+REPLY = (f"<think>{REASONING}</think>Markup from a model stays text: {PAYLOAD}\n\n"
          "Three steps:\n\n- open the page\n- pick a model\n- ask\n\n"
          "```python\nprint('hello')\n```\n\n" + "And the answer goes on, one byte at a time. " * 40)
 STEP_DELAY = 0.01
