@@ -1,4 +1,5 @@
-"""Model families beyond llama (Qwen2 attention biases, Qwen3 q/k norms): parity with Hugging Face
+"""Model families beyond llama (Qwen2 attention biases, Qwen3 q/k norms, Phi-3 fused matrices and
+partial rotary): parity with Hugging Face
 transformers on tiny random models, as GGUF and as Hugging Face directories, and the exactness that
 batching and the prefix cache rely on."""
 import importlib.util
@@ -31,6 +32,8 @@ FAMILIES = {
               "rope_theta": 1000000.0, "rms_norm_eps": 1e-6},
     "qwen3": {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "head_dim": 32,
               "attention_bias": False, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6},
+    "phi3": {"architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "partial_rotary_factor": 0.5,
+             "pad_token_id": 0, "sliding_window": None},
 }
 
 
@@ -52,12 +55,18 @@ def family_state(family, cfg, seed=0):
         if family == "qwen3":
             for proj in ("q", "k"):
                 state[f"{p}{proj}_norm.weight"] = (1.0 + 0.2 * rng.standard_normal(hd)).astype(np.float32)
+        if family == "phi3":        # one q|k|v and one gate|up matrix
+            state[p + "qkv_proj.weight"] = np.concatenate([state.pop(p + f"{x}_proj.weight") for x in "qkv"])
+            m = f"model.layers.{i}.mlp."
+            state[m + "gate_up_proj.weight"] = np.concatenate([state.pop(m + "gate_proj.weight"),
+                                                               state.pop(m + "up_proj.weight")])
     return state
 
 
 _EXTRA_GGUF = {"self_attn.q_proj.bias": "attn_q.bias", "self_attn.k_proj.bias": "attn_k.bias",
                "self_attn.v_proj.bias": "attn_v.bias", "self_attn.q_norm.weight": "attn_q_norm.weight",
-               "self_attn.k_norm.weight": "attn_k_norm.weight"}
+               "self_attn.k_norm.weight": "attn_k_norm.weight", "self_attn.qkv_proj.weight": "attn_qkv.weight",
+               "mlp.gate_up_proj.weight": "ffn_up.weight"}
 
 
 def gguf_name(hf_name):
@@ -85,6 +94,8 @@ def write_family_gguf(path, family, cfg, state, qtype):
     if cfg.get("head_dim"):
         w.add_key_length(cfg["head_dim"])
         w.add_value_length(cfg["head_dim"])
+    hd = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    w.add_rope_dimension_count(int(hd * cfg.get("partial_rotary_factor", 1.0)))
     w.add_vocab_size(cfg["vocab_size"])
     tiny._add_gguf_tokenizer(w)
     held = {name: tiny.store_gguf_tensor(w, gguf_name(name), value, qtype) for name, value in state.items()}
@@ -118,6 +129,7 @@ def test_gguf_family_matches_transformers(tmp_path, family, qtype, tied):
     path, cfg, held = family_gguf(tmp_path, family, qtype, tied)
     loaded = load_model(path, device="cpu")
     assert loaded.config.arch == family and loaded.config.tied_embeddings == tied
+    assert loaded.config.rope_dim == loaded.config.head_dim // (2 if family == "phi3" else 1)   # partial
     parity.assert_parity(loaded, hf_model(cfg, held))
 
 

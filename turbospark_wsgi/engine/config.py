@@ -6,12 +6,13 @@ ARCH_FEATURES = {
     "llama": {},
     "qwen2": {"attn_bias": True},     # q/k/v projections carry biases
     "qwen3": {"qk_norm": True},       # per-head RMSNorm of q and k before the rotation
+    "phi3": {"fused_qkv": True, "fused_gate_up": True},   # one q|k|v and one gate|up matrix in the file
 }
 
 
 @dataclass(slots=True)
 class ModelConfig:
-    arch: str                      # a key of ARCH_FEATURES: "llama" (llama, mistral), "qwen2", "qwen3"
+    arch: str                      # a key of ARCH_FEATURES: "llama" (llama, mistral), "qwen2", "qwen3", "phi3"
     n_layer: int
     dim: int
     n_head: int
@@ -28,6 +29,8 @@ class ModelConfig:
     name: str = ""
     attn_bias: bool = False        # q/k/v biases (Qwen2)
     qk_norm: bool = False          # RMSNorm over each q and k head, weights [head_dim] (Qwen3)
+    fused_qkv: bool = False        # the file holds q|k|v as one matrix (Phi-3)
+    fused_gate_up: bool = False    # the file holds gate|up as one matrix (Phi-3)
 
     def __post_init__(self):
         if self.arch not in ARCH_FEATURES:

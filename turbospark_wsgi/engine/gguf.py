@@ -304,7 +304,7 @@ def _tensor_info(name, shape, gtype, rel, data_start, align, size):
 # ---------------------------------------------------------------------------- config
 
 # GGUF general.architecture -> ModelConfig.arch (llama.cpp writes Mistral models as "llama")
-_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3"}
 
 
 def model_config_from_gguf(metadata):
@@ -346,10 +346,15 @@ def model_config_from_gguf(metadata):
     vocab = count("vocab_size", 0, least=0) or len(metadata.get("tokenizer.ggml.tokens", ()))
     if not vocab:
         raise ValueError(f"GGUF metadata lacks '{arch}.vocab_size' and tokenizer.ggml.tokens")
+    max_seq = count("context_length", 2048)
+    window = count("attention.sliding_window", 0, least=0)
+    if window:
+        # NOTE(window): attention here is global; capping the context at the window keeps it exact
+        max_seq = min(max_seq, window)
     cfg = ModelConfig(
         arch=_ARCHITECTURES[arch], n_layer=count("block_count"), dim=count("embedding_length"),
         n_head=n_head, n_kv_head=n_kv_head, ffn_dim=count("feed_forward_length"), vocab_size=vocab,
-        max_seq_len=count("context_length", 2048), rope_theta=number("rope.freq_base", 10000.0, 1e-9),
+        max_seq_len=max_seq, rope_theta=number("rope.freq_base", 10000.0, 1e-9),
         norm_eps=number("attention.layer_norm_rms_epsilon", 1e-5),
         head_dim=count("attention.key_length", 0, least=0), rope_dim=count("rope.dimension_count", 0, least=0),
         rope_scaling=_gguf_rope_scaling(key, number, count), name=str(metadata.get("general.name", "")))

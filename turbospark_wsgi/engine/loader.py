@@ -9,7 +9,7 @@ from . import kernels_cpu
 from .gguf import GGUFFile, model_config_from_gguf
 from .model import Transformer
 from .safetensors_io import SafetensorsDir, model_config_from_hf
-from .weights import load_quantized_weights, load_weights, tensor_name
+from .weights import layer_shapes, load_quantized_weights, load_weights, tensor_name
 
 HF_JSON_FILES = ("config", "tokenizer_config", "generation_config")
 
@@ -120,12 +120,9 @@ def _check_shapes(cfg, source, kind):
     """Every tensor the model uses has the shape its config implies, checked before any is read,
     so a corrupt dimension or config value is a clear error rather than a failed reshape or a
     huge allocation later. A missing layer tensor is named at once (the layer count may be corrupt)."""
-    q, kv = cfg.n_head * cfg.head_dim, cfg.n_kv_head * cfg.head_dim
     model = {"tok_embd": (cfg.vocab_size, cfg.dim), "head": (cfg.vocab_size, cfg.dim), "norm": (cfg.dim,),
              "rope_freqs": (cfg.rope_dim // 2,)}
-    layer = {"attn_norm": (cfg.dim,), "wq": (q, cfg.dim), "wk": (kv, cfg.dim), "wv": (kv, cfg.dim),
-             "wo": (cfg.dim, q), "ffn_norm": (cfg.dim,), "w_gate": (cfg.ffn_dim, cfg.dim),
-             "w_up": (cfg.ffn_dim, cfg.dim), "w_down": (cfg.dim, cfg.ffn_dim)}
+    layer = layer_shapes(cfg)   # the architecture's fused or separate matrices
     for ours, want in model.items():
         _check_shape(source, tensor_name(ours, kind), want, required=False)
     for i in range(cfg.n_layer):

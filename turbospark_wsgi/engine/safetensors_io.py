@@ -14,7 +14,7 @@ _DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}
 _ITEM_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E8M0": 1, "I16": 2, "U16": 2,
                "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
 _ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama",
-                  "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+                  "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "Phi3ForCausalLM": "phi3"}
 INDEX_FILE = "model.safetensors.index.json"
 MAX_HEADER_BYTES = 100 * 2 ** 20   # the safetensors format's own limit
 MAX_DIMS = 8
@@ -157,7 +157,7 @@ def _shards(index):
 
 
 def model_config_from_hf(config):
-    """A ModelConfig from a parsed config.json (Llama, Mistral, Qwen2 and Qwen3 causal LMs). An unsupported
+    """A ModelConfig from a parsed config.json (Llama, Mistral, Qwen2, Qwen3 and Phi-3 causal LMs). An unsupported
     architecture, a missing key or a value that cannot describe a model raises ValueError naming it."""
     archs = config.get("architectures") or [config.get("model_type", "?")]
     if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
@@ -199,13 +199,19 @@ def model_config_from_hf(config):
     if config.get("sliding_window") and config.get("use_sliding_window", True):   # Qwen: off unless asked
         # NOTE(window): attention here is global; capping the context at the window keeps it exact
         max_seq = min(max_seq, count("sliding_window"))
-    head_dim = count("head_dim", 0, least=0)
+    head_dim = count("head_dim", 0, least=0) or dim // n_head
+    partial = number(rope, "partial_rotary_factor", number(config, "partial_rotary_factor", 1.0), 1e-9)
+    if partial > 1.0:
+        raise ValueError(f"config.json partial_rotary_factor must be at most 1, not {partial}")
+    rope_dim = int(head_dim * partial)
+    if rope_dim < 2 or rope_dim % 2:
+        raise ValueError(f"config.json partial_rotary_factor {partial} gives the odd rotary size {rope_dim}")
     name = config.get("_name_or_path", "")
     return ModelConfig(
         arch=arch, n_layer=n_layer, dim=dim, n_head=n_head, n_kv_head=n_kv_head, ffn_dim=ffn_dim,
         vocab_size=vocab, max_seq_len=max_seq,
         rope_theta=number(rope, "rope_theta", number(config, "rope_theta", 10000.0, 1e-9), 1e-9),
-        norm_eps=number(config, "rms_norm_eps", 1e-6), head_dim=head_dim,
+        norm_eps=number(config, "rms_norm_eps", 1e-6), head_dim=head_dim, rope_dim=rope_dim,
         rope_scaling=_hf_rope_scaling(rope), tied_embeddings=bool(config.get("tie_word_embeddings", False)),
         name=name if isinstance(name, str) else "")
 

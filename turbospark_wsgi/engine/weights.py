@@ -22,6 +22,9 @@ LAYER_TENSORS = {
     "bv": ("blk.{i}.attn_v.bias", "model.layers.{i}.self_attn.v_proj.bias"),
     "q_norm": ("blk.{i}.attn_q_norm.weight", "model.layers.{i}.self_attn.q_norm.weight"),
     "k_norm": ("blk.{i}.attn_k_norm.weight", "model.layers.{i}.self_attn.k_norm.weight"),
+    # fused in the file (ModelConfig.fused_qkv, .fused_gate_up): rows q | k | v and gate | up
+    "wqkv": ("blk.{i}.attn_qkv.weight", "model.layers.{i}.self_attn.qkv_proj.weight"),
+    "w_gate_up": ("blk.{i}.ffn_up.weight", "model.layers.{i}.mlp.gate_up_proj.weight"),
 }
 MODEL_TENSORS = {
     "tok_embd": ("token_embd.weight", "model.embed_tokens.weight"),
@@ -77,6 +80,40 @@ def unpermute_rotary_rows(w, n_heads):
     rows = w.shape[0]
     half = rows // n_heads // 2
     return w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def layer_shapes(cfg):
+    """ours -> shape of every matrix and norm a layer's file tensors must have (the optional
+    biases and q/k norms are checked when read)."""
+    q, kv, dim, ffn = cfg.n_head * cfg.head_dim, cfg.n_kv_head * cfg.head_dim, cfg.dim, cfg.ffn_dim
+    qkv = {"wqkv": (q + 2 * kv, dim)} if cfg.fused_qkv else {"wq": (q, dim), "wk": (kv, dim), "wv": (kv, dim)}
+    gate_up = {"w_gate_up": (2 * ffn, dim)} if cfg.fused_gate_up else {"w_gate": (ffn, dim), "w_up": (ffn, dim)}
+    # in file order, so that the first bad tensor named is the first a reader meets
+    return {"attn_norm": (dim,), **qkv, "wo": (dim, q), "ffn_norm": (dim,), **gate_up, "w_down": (dim, ffn)}
+
+
+def split_rows(w, sizes):
+    """A matrix (float32 array or quant.Blocks) cut into consecutive row ranges of `sizes`."""
+    ends = np.cumsum([0, *sizes])
+    if hasattr(w, "map_rows"):
+        return [w.map_rows(lambda a, a0=a0, a1=a1: a[a0:a1]) for a0, a1 in zip(ends[:-1], ends[1:])]
+    return [w[a0:a1] for a0, a1 in zip(ends[:-1], ends[1:])]
+
+
+def qkv_parts(cfg, get):
+    """(wq, wk, wv) as the file holds them, `get(ours)` reading one tensor (None where unsupported)."""
+    if not cfg.fused_qkv:
+        return get("wq"), get("wk"), get("wv")
+    w = get("wqkv")
+    if w is None:
+        return None, None, None
+    q, kv = cfg.n_head * cfg.head_dim, cfg.n_kv_head * cfg.head_dim
+    return tuple(split_rows(w, [q, kv, kv]))
+
+
+def gate_up_parts(cfg, get):
+    """[gate, up] or the one fused [gate|up] matrix: either way their rows stacked give gate | up."""
+    return [get("w_gate_up")] if cfg.fused_gate_up else [get("w_gate"), get("w_up")]
 
 
 def gguf_rows_permuted(cfg):
@@ -137,7 +174,7 @@ def _layer(cfg, source, fmt, i, xp):
     def get(ours):
         return fetch(source, ours, fmt, i)
 
-    wq, wk = get("wq"), get("wk")                                           # [H*D, dim], [G*D, dim]
+    wq, wk, wv = qkv_parts(cfg, get)                                        # [H*D, dim], [G*D, dim] x2
     if fmt == "gguf" and gguf_rows_permuted(cfg):
         wq, wk = unpermute_rotary_rows(wq, cfg.n_head), unpermute_rotary_rows(wk, cfg.n_kv_head)
     # NOTE(scale): the attention scale 1/sqrt(head_dim) is folded into Wq (rotary is linear, so
@@ -148,10 +185,10 @@ def _layer(cfg, source, fmt, i, xp):
     bqkv, q_norm, k_norm = attention_extras(cfg, source, fmt, i, xp)
     return LayerWeights(
         attn_norm=xp.asarray(get("attn_norm")),
-        wqkv=_upload_t(np.concatenate([wq, wk, get("wv")]), xp),
+        wqkv=_upload_t(np.concatenate([wq, wk, wv]), xp),
         wo=_upload_t(get("wo"), xp),
         ffn_norm=xp.asarray(get("ffn_norm")),
-        w_gate_up=_upload_t(np.concatenate([get("w_gate"), get("w_up")]), xp),
+        w_gate_up=_upload_t(np.concatenate(gate_up_parts(cfg, get)), xp),
         w_down=_upload_t(get("w_down"), xp),
         bqkv=bqkv, q_norm=q_norm, k_norm=k_norm)
 
@@ -185,7 +222,7 @@ def load_quantized_weights(cfg, source):
         def get(ours):
             return fetch(source, ours, "gguf", i)
 
-        wq, wk, wv = blocks("wq", i), blocks("wk", i), blocks("wv", i)
+        wq, wk, wv = qkv_parts(cfg, lambda ours: blocks(ours, i))
         if wq is not None and wk is not None:
             if gguf_rows_permuted(cfg):
                 wq = wq.map_rows(lambda a: unpermute_rotary_rows(a, cfg.n_head))
@@ -199,8 +236,8 @@ def load_quantized_weights(cfg, source):
             wqkv=linear([wq, wk, wv], lambda: fp.wqkv),
             wo=linear([blocks("wo", i)], lambda: _upload_t(get("wo"), np)),
             ffn_norm=get("ffn_norm"),
-            w_gate_up=linear([blocks("w_gate", i), blocks("w_up", i)],
-                             lambda: _upload_t(np.concatenate([get("w_gate"), get("w_up")]), np)),
+            w_gate_up=linear(gate_up_parts(cfg, lambda ours: blocks(ours, i)),
+                             lambda: _upload_t(np.concatenate(gate_up_parts(cfg, get)), np)),
             w_down=linear([blocks("w_down", i)], lambda: _upload_t(get("w_down"), np)),
             bqkv=bqkv, q_norm=q_norm, k_norm=k_norm)
 
