@@ -124,6 +124,12 @@ def test_nested_too_deep_is_a_400(client):
     assert r.json["error"]["type"] == "invalid_request_error"
 
 
+def test_health_with_the_embedding_model_as_the_default(client):
+    embed(client, input="load it")
+    body = client.get("/health").json
+    assert body["status"] == "ok" and body["max_context"] == 256
+
+
 def test_models_say_which_embed(client):
     kinds = {m["id"]: m["kind"] for m in client.get("/v1/models").json["data"]}
     assert kinds[M] == "embedding"

@@ -64,6 +64,7 @@ class Encoder:
         self.vocab_size = int(cfg["vocab_size"])
         self.pooling, self.normalize = _pooling(path)
         self.max_tokens = min(int(cfg.get("max_position_embeddings", 512)), _max_seq_length(path))
+        self.max_context = self.max_tokens      # what /health reports for any model
         self.dim = self.hidden
         self.matryoshka = _declares_matryoshka(path)
         self.tokenizer = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
