@@ -245,11 +245,13 @@ def test_first_request_is_compared_with_the_median_warm_one(bench_http):
 def test_cpu_meter_counts_other_processes_not_the_bench(tools):
     servers = tools[4]
     assert servers.cpu_seconds(2 ** 22 + 12345) == 0.0                   # no such process
-    meter = servers.CpuMeter([os.getpid()])
+    meter, everyone = servers.CpuMeter([os.getpid()]), servers.CpuMeter([])
     deadline = time.process_time() + 0.3
     while time.process_time() < deadline:                               # this process's own work
         pass
-    assert meter.others() < 0.25 * (os.cpu_count() or 1) + 0.2
+    # NOTE(flaky): other processes may run meanwhile (CI's leftovers, a neighbour): the meter that
+    # excludes this process must read this process's 0.3 s less than one that excludes nothing
+    assert everyone.others() - meter.others() > 0.3 - 0.05
 
 
 class FakeEngine:
