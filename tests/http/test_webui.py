@@ -49,6 +49,7 @@ def test_unknown_files_and_other_methods_are_4xx_in_the_envelope(client):
     r = client.get("/ui/secret.py", status=404)
     assert r.json["error"]["code"] == "not_found"
     client.get("/ui/../app.py", status=404)
+    client.get("/ui/index.html", status=404)
     r = client.post("/", status=405)
     assert r.json["error"]["code"] == "method_not_allowed" and r.headers["Allow"] == "GET, HEAD"
 

@@ -59,7 +59,8 @@ def stories(tmp_path_factory):
 def fake(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("webui-fake")
     (tmp / "models").mkdir()
-    (tmp / "models" / "fake.gguf").write_bytes(b"GGUF")
+    for name in ("fake", "failing"):
+        (tmp / "models" / f"{name}.gguf").write_bytes(b"GGUF")
     server = Server(tmp, app="webui_app:app", models=tmp / "models", model="fake")
     try:
         yield server.wait_ready(timeout=60)
@@ -149,8 +150,21 @@ def test_stop_cancels_on_the_server_and_model_markup_is_text(browser, fake):
     assert console_errors(browser) == []
 
 
+def test_an_error_mid_answer_is_shown_and_the_page_recovers(browser, fake):
+    picker = open_page(browser, fake)
+    assert picker.first_selected_option.text == "fake"      # the loaded one, not the first listed
+    picker.select_by_visible_text("failing")
+    browser.find_element(By.ID, "prompt").send_keys("Go", Keys.ENTER)
+    wait(browser, lambda: browser.find_elements(By.CSS_SELECTOR, "#messages .msg.assistant.error"))
+    reply = browser.find_element(By.CSS_SELECTOR, "#messages .msg.assistant.error")
+    assert reply.find_element(By.XPATH, "./p").text.startswith("Markup from a model")
+    assert "request id" in reply.find_element(By.CSS_SELECTOR, ".error-text").text
+    assert browser.find_element(By.ID, "send").is_enabled() and fake.metric("turbospark_queue_running") == 0
+    assert console_errors(browser) == []
+
+
 def test_new_and_delete_conversations_and_a_narrow_screen(browser, fake):
-    open_page(browser, fake)
+    open_page(browser, fake).select_by_visible_text("fake")
     # NOTE(width): headless windows are at least 500 px wide, so 360 px is a device emulation
     browser.execute_cdp_cmd("Emulation.setDeviceMetricsOverride",
                             {"width": 360, "height": 740, "deviceScaleFactor": 1, "mobile": True})

@@ -22,7 +22,10 @@ STEP_DELAY = 0.01
 
 
 def _load(path, device="auto", name=None, **_):
-    return _suite.FakeEngine(name=name or "fake", reply=REPLY, max_context=4096, step_delay=STEP_DELAY)
+    # NOTE(failing): a model file named failing.gguf fails mid-answer, for the page's error path
+    fail_at = 80 if Path(path).stem == "failing" else None
+    return _suite.FakeEngine(name=name or "fake", reply=REPLY, max_context=4096, step_delay=STEP_DELAY,
+                             fail_at=fail_at)
 
 
 config = Config.from_env()

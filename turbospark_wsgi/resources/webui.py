@@ -37,8 +37,9 @@ class WebUi:
         self._files = load_files()
 
     def __call__(self, req, resp, name=None):
-        name = name or "index.html"
-        if name not in self._files:
+        # NOTE(one-url): the page lives at `/` only, the one page path left open under API keys
+        name = "index.html" if name is None else name
+        if name not in self._files or (name == "index.html" and req.path != "/"):
             raise NotFound(f"Unknown route: {req.method} {req.path}")
         if req.method not in ("GET", "HEAD"):
             raise MethodNotAllowed(f"Method {req.method} is not allowed for {req.path}",

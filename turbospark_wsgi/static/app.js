@@ -120,6 +120,7 @@ async function send(text) {
       method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(body), signal: controller.signal,
     });
     await readEvents(resp, (chunk) => {
+      if (chunk.error) throw new Error(chunk.error.message);   // a mid-stream `event: error`
       const delta = (chunk.choices && chunk.choices[0] && chunk.choices[0].delta) || {};
       if (delta.content || delta.reasoning_content) first = first || performance.now();
       if (delta.content) reply.content += delta.content;
@@ -130,7 +131,7 @@ async function send(text) {
     });
   } catch (e) {
     if (e.name === "AbortError") reply.stopped = true;
-    else { reply.error = true; reply.content += (reply.content ? "\n\n" : "") + e.message; }
+    else reply.error = e.message;
   } finally {
     running = null;
     setRunning(false);
@@ -178,7 +179,8 @@ function fillMessage(node, msg) {
     details.append(el("summary", "", "Reasoning"), ...markdown(msg.reasoning));
     parts.push(details);
   }
-  parts.push(...(msg.error ? [el("p", "", msg.content)] : markdown(msg.content)));
+  parts.push(...markdown(msg.content));
+  if (msg.error) parts.push(el("p", "error-text", msg.error));
   const notes = [msg.stats, msg.stopped ? "stopped" : ""].filter(Boolean).join(" · ");
   if (notes) parts.push(el("div", "stats", notes));
   node.replaceChildren(...parts);
