@@ -12,8 +12,10 @@ numpy, float32, CPU. The directory holds model.safetensors, config.json, tokeniz
 modules.json and 1_Pooling/config.json (the files sentence-transformers writes).
 """
 import json
+import math
 import os
 
+import numba
 import numpy as np
 from tokenizers import Tokenizer
 
@@ -166,10 +168,10 @@ class Encoder:
         H, d = self.n_heads, self.hidden // self.n_heads
         scale = np.float32(1.0 / np.sqrt(d))
         for layer in self.layers:
-            qkv = _linear(x, *layer["qkv"]).reshape(B, T, 3, H, d)
-            q = qkv[:, :, 0].transpose(0, 2, 1, 3)
-            k = qkv[:, :, 1].transpose(0, 2, 3, 1)
-            v = qkv[:, :, 2].transpose(0, 2, 1, 3)
+            # PERF(layout): contiguous heads, so every matmul below is a plain batched BLAS call
+            qkv = _linear(x, *layer["qkv"]).reshape(B, T, 3, H, d).transpose(2, 0, 3, 1, 4)
+            qkv = np.ascontiguousarray(qkv)
+            q, k, v = qkv[0], qkv[1].transpose(0, 1, 3, 2), qkv[2]
             scores = np.matmul(q, k) * scale + bias
             scores -= scores.max(axis=-1, keepdims=True)
             np.exp(scores, out=scores)
@@ -200,7 +202,10 @@ def normalize(vectors):
 
 
 def _linear(x, w, b):
-    return np.matmul(x, w) + b
+    # PERF(gemm): one 2-D product over every token of the batch, not one per sequence
+    out = np.matmul(x.reshape(-1, x.shape[-1]), w)
+    out += b
+    return out.reshape(*x.shape[:-1], w.shape[1])
 
 
 def _layer_norm(x, w, b, eps):
@@ -210,20 +215,10 @@ def _layer_norm(x, w, b, eps):
     return centered / np.sqrt(var + np.float32(eps)) * w + b
 
 
+@numba.vectorize(["float32(float32)"], nopython=True, cache=True)
 def _gelu(x):
     """Exact (erf) GELU, as BERT's "gelu"."""
-    return x * np.float32(0.5) * (np.float32(1.0) + _erf(x * np.float32(1 / np.sqrt(2))))
-
-
-def _erf(x):
-    # NOTE(erf): numpy has no erf; Abramowitz & Stegun 7.1.26 (|error| < 1.5e-7, below float32's
-    # resolution of GELU's output at BERT's activation scales)
-    a = np.abs(x)
-    t = np.float32(1.0) / (np.float32(1.0) + np.float32(0.3275911) * a)
-    poly = t * (np.float32(0.254829592) + t * (np.float32(-0.284496736) + t * (np.float32(1.421413741)
-                + t * (np.float32(-1.453152027) + t * np.float32(1.061405429)))))
-    y = np.float32(1.0) - poly * np.exp(-a * a)
-    return np.copysign(y, x)
+    return np.float32(0.5) * x * (np.float32(1.0) + math.erf(x * np.float32(0.7071067811865476)))
 
 
 # ---- the directory's own declarations ------------------------------------------------------------
