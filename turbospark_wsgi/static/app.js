@@ -51,7 +51,10 @@ async function api(path, init = {}) {
   }
   if (!resp.ok) {
     let message = resp.status + " " + resp.statusText;
-    try { const body = await resp.json(); message = (body.error && body.error.message) || message; } catch (e) { /* not JSON */ }
+    try {
+      const body = await resp.json();
+      message = (body.error && body.error.message) || message;
+    } catch (e) { /* not JSON: keep the status line */ }
     throw new Error(message);
   }
   return resp;
@@ -63,7 +66,8 @@ async function loadModels() {
     // The last choice if still offered, else a model already loaded (no wait for a load).
     const ids = body.data.map((m) => m.id);
     const loaded = body.data.find((m) => m.loaded);
-    const chosen = [ui.model.value, localStorage.getItem(STORE + ".model"), loaded && loaded.id].find((id) => ids.includes(id));
+    const chosen = [ui.model.value, localStorage.getItem(STORE + ".model"), loaded && loaded.id]
+      .find((id) => ids.includes(id));
     ui.model.replaceChildren(...ids.map((id) => new Option(id, id)));
     if (chosen) ui.model.value = chosen;
     setStatus("");
@@ -103,7 +107,8 @@ async function send(text) {
   conv.messages.push(reply);
   save();
   render();
-  const history = conv.messages.filter((m) => m !== reply && !m.error).map((m) => ({ role: m.role, content: m.content }));
+  const history = conv.messages.filter((m) => m !== reply && !m.error)
+    .map((m) => ({ role: m.role, content: m.content }));
   if (ui.system.value.trim()) history.unshift({ role: "system", content: ui.system.value });
   const body = { model: ui.model.value, messages: history, stream: true, stream_options: { include_usage: true } };
   const temperature = parseFloat(ui.temperature.value);
@@ -117,7 +122,8 @@ async function send(text) {
   let first = null;
   try {
     const resp = await api("/v1/chat/completions", {
-      method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(body), signal: controller.signal,
+      method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(body),
+      signal: controller.signal,
     });
     await readEvents(resp, (chunk) => {
       if (chunk.error) throw new Error(chunk.error.message);   // a mid-stream `event: error`
@@ -152,7 +158,8 @@ function stats(usage, first) {
 function render() {
   renderList();
   const conv = state.conversations.find((c) => c.id === state.current);
-  ui.messages.replaceChildren(...(conv ? conv.messages : []).map((m) => fillMessage(document.createElement("article"), m)));
+  const messages = conv ? conv.messages : [];
+  ui.messages.replaceChildren(...messages.map((m) => fillMessage(document.createElement("article"), m)));
   scrollDown();
 }
 
@@ -239,7 +246,12 @@ function codeBlock(code, lang) {
   copy.type = "button";
   copy.setAttribute("aria-label", "Copy code");
   copy.addEventListener("click", async () => {
-    try { await navigator.clipboard.writeText(code); copy.textContent = "Copied"; } catch (e) { copy.textContent = "Copy failed"; }
+    try {
+      await navigator.clipboard.writeText(code);
+      copy.textContent = "Copied";
+    } catch (e) {
+      copy.textContent = "Copy failed";     // no clipboard outside a secure context
+    }
   });
   pre.append(copy, codeNode);
   return pre;
