@@ -34,6 +34,15 @@ FAMILIES = {
               "attention_bias": False, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6},
     "phi3": {"architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "partial_rotary_factor": 0.5,
              "pad_token_id": 0, "sliding_window": None},
+    # six layers: five local (rotary base 10 000) and one global (1 000 000), as llama.cpp's pattern has it;
+    # the window (128) is longer than any sequence here: windowed attention itself is not supported
+    "gemma3": {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "num_hidden_layers": 6,
+               "head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 128, "rms_norm_eps": 1e-6,
+               "hidden_activation": "gelu_pytorch_tanh", "pad_token_id": 0, "final_logit_softcapping": None,
+               "rope_theta": 1000000.0,
+               "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+                                   "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
+               "layer_types": ["sliding_attention"] * 5 + ["full_attention"]},
 }
 
 
@@ -55,11 +64,19 @@ def family_state(family, cfg, seed=0):
         if family == "qwen3":
             for proj in ("q", "k"):
                 state[f"{p}{proj}_norm.weight"] = (1.0 + 0.2 * rng.standard_normal(hd)).astype(np.float32)
+        if family == "gemma3":      # norms around both sub-layers and on q/k heads, stored as w - 1
+            m = f"model.layers.{i}."
+            for n in ("pre_feedforward_layernorm", "post_feedforward_layernorm"):
+                state[f"{m}{n}.weight"] = (1.0 + 0.1 * rng.standard_normal(cfg["hidden_size"])).astype(np.float32)
+            for proj in ("q", "k"):
+                state[f"{p}{proj}_norm.weight"] = (1.0 + 0.2 * rng.standard_normal(hd)).astype(np.float32)
         if family == "phi3":        # one q|k|v and one gate|up matrix
             state[p + "qkv_proj.weight"] = np.concatenate([state.pop(p + f"{x}_proj.weight") for x in "qkv"])
             m = f"model.layers.{i}.mlp."
             state[m + "gate_up_proj.weight"] = np.concatenate([state.pop(m + "gate_proj.weight"),
                                                                state.pop(m + "up_proj.weight")])
+    if family == "gemma3":
+        state = {k: v - np.float32(1.0) if k.endswith("norm.weight") else v for k, v in state.items()}
     return state
 
 
@@ -67,14 +84,23 @@ _EXTRA_GGUF = {"self_attn.q_proj.bias": "attn_q.bias", "self_attn.k_proj.bias": 
                "self_attn.v_proj.bias": "attn_v.bias", "self_attn.q_norm.weight": "attn_q_norm.weight",
                "self_attn.k_norm.weight": "attn_k_norm.weight", "self_attn.qkv_proj.weight": "attn_qkv.weight",
                "mlp.gate_up_proj.weight": "ffn_up.weight"}
+_GEMMA3_GGUF = {"post_attention_layernorm.weight": "post_attention_norm.weight",
+                "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+                "post_feedforward_layernorm.weight": "post_ffw_norm.weight"}
 
 
-def gguf_name(hf_name):
+def gguf_name(hf_name, family):
     if hf_name.startswith("model.layers."):
         _, _, i, rest = hf_name.split(".", 3)
-        if rest in _EXTRA_GGUF:
-            return f"blk.{i}.{_EXTRA_GGUF[rest]}"
+        table = {**_EXTRA_GGUF, **(_GEMMA3_GGUF if family == "gemma3" else {})}
+        if rest in table:
+            return f"blk.{i}.{table[rest]}"
     return tiny.gguf_name(hf_name)
+
+
+def gguf_value(name, value, family):
+    """llama.cpp's converter adds Gemma's 1 to every norm weight."""
+    return value + np.float32(1.0) if family == "gemma3" and name.endswith("norm.weight") else value
 
 
 def write_family_gguf(path, family, cfg, state, qtype):
@@ -97,8 +123,13 @@ def write_family_gguf(path, family, cfg, state, qtype):
     hd = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     w.add_rope_dimension_count(int(hd * cfg.get("partial_rotary_factor", 1.0)))
     w.add_vocab_size(cfg["vocab_size"])
+    if cfg.get("sliding_window"):
+        w.add_sliding_window(cfg["sliding_window"])
     tiny._add_gguf_tokenizer(w)
-    held = {name: tiny.store_gguf_tensor(w, gguf_name(name), value, qtype) for name, value in state.items()}
+    held = {name: tiny.store_gguf_tensor(w, gguf_name(name, family), gguf_value(name, value, family), qtype)
+            for name, value in state.items()}
+    held = {k: v - np.float32(1.0) if family == "gemma3" and k.endswith("norm.weight") else v
+            for k, v in held.items()}
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -203,3 +234,31 @@ def test_family_engine_generates(family_engine):
     prompt = family_engine.encode("the cat", add_bos=True)
     events = list(family_engine.generate(prompt, SamplingParams(temperature=0, max_new_tokens=4)))
     assert sum(isinstance(e, Token) for e in events) >= 1
+
+
+def test_gemma3_legacy_config_and_softcap_match_transformers(tmp_path):
+    """config.json as Gemma 3 checkpoints ship it (rope_theta + rope_local_base_freq, no layer_types),
+    with a query_pre_attn_scalar other than head_dim and final logit soft-capping."""
+    cfg = family_config("gemma3", tied=True)
+    state = family_state("gemma3", cfg)
+    del cfg["rope_parameters"], cfg["layer_types"]
+    cfg.update(rope_theta=1000000.0, rope_local_base_freq=10000.0, sliding_window_pattern=6,
+               query_pre_attn_scalar=24, final_logit_softcapping=5.0)
+    tiny.write_hf_dir(tmp_path / "g", cfg, state)
+    loaded = load_model(tmp_path / "g", device="cpu")
+    c = loaded.config
+    assert (c.local_layers, c.rope_local_theta, c.rope_theta) == ((0, 1, 2, 3, 4), 10000.0, 1000000.0)
+    assert (c.query_scalar, c.final_softcap, c.max_seq_len) == (24.0, 5.0, 128)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "g", dtype=torch.float32, attn_implementation="eager").eval()
+    assert reference.config.final_logit_softcapping == 5.0
+    parity.assert_parity(loaded, reference)
+
+
+def test_gemma3_local_layers_use_their_own_rotary_base(tmp_path):
+    """The parity above needs both bases: with the global base everywhere the logits move."""
+    path, cfg, held = family_gguf(tmp_path, "gemma3")
+    model = load_model(path, device="cpu").model
+    ours = model.forward(parity.PROMPT, model.new_cache(), logits="all")
+    model._layer_rope = [0] * len(model._layer_rope)
+    assert np.abs(model.forward(parity.PROMPT, model.new_cache(), logits="all") - ours).max() > 0.01

@@ -7,12 +7,16 @@ ARCH_FEATURES = {
     "qwen2": {"attn_bias": True},     # q/k/v projections carry biases
     "qwen3": {"qk_norm": True},       # per-head RMSNorm of q and k before the rotation
     "phi3": {"fused_qkv": True, "fused_gate_up": True},   # one q|k|v and one gate|up matrix in the file
+    # Gemma 3: q/k norms, norms after attention and after the MLP too, norm weights stored as w - 1
+    # by Hugging Face, GELU(tanh) gating, embeddings scaled by sqrt(dim)
+    "gemma3": {"qk_norm": True, "post_norms": True, "norm_plus_one": True, "gelu_gate": True,
+               "embed_scale": True},
 }
 
 
 @dataclass(slots=True)
 class ModelConfig:
-    arch: str                      # a key of ARCH_FEATURES: "llama" (llama, mistral), "qwen2", "qwen3", "phi3"
+    arch: str                      # a key of ARCH_FEATURES: "llama" (llama, mistral), "qwen2", "qwen3", "phi3", "gemma3"
     n_layer: int
     dim: int
     n_head: int
@@ -31,6 +35,14 @@ class ModelConfig:
     qk_norm: bool = False          # RMSNorm over each q and k head, weights [head_dim] (Qwen3)
     fused_qkv: bool = False        # the file holds q|k|v as one matrix (Phi-3)
     fused_gate_up: bool = False    # the file holds gate|up as one matrix (Phi-3)
+    post_norms: bool = False       # RMSNorm of the attention and MLP outputs before each residual add
+    norm_plus_one: bool = False    # Hugging Face norm weights hold w - 1 (GGUF files hold w)
+    gelu_gate: bool = False        # gelu_tanh(gate) * up instead of silu(gate) * up
+    embed_scale: bool = False      # token embeddings times sqrt(dim)
+    query_scalar: float = 0.0      # attention scale 1/sqrt(query_scalar); 0: head_dim
+    final_softcap: float = 0.0     # logits -> cap * tanh(logits / cap); 0: none
+    rope_local_theta: float = 0.0  # rotary base of the local (sliding-window) layers; 0: as global
+    local_layers: tuple = ()       # indices of the sliding-window layers (their rotary base differs)
 
     def __post_init__(self):
         if self.arch not in ARCH_FEATURES:

@@ -304,7 +304,9 @@ def _tensor_info(name, shape, gtype, rel, data_start, align, size):
 # ---------------------------------------------------------------------------- config
 
 # GGUF general.architecture -> ModelConfig.arch (llama.cpp writes Mistral models as "llama")
-_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3"}
+_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3", "gemma3": "gemma3"}
+# llama.cpp's Gemma 3: every 6th layer global, the others local with the rotary base 10 000
+_GEMMA3_PATTERN, _GEMMA3_LOCAL_THETA = 6, 10000.0
 
 
 def model_config_from_gguf(metadata):
@@ -357,7 +359,11 @@ def model_config_from_gguf(metadata):
         max_seq_len=max_seq, rope_theta=number("rope.freq_base", 10000.0, 1e-9),
         norm_eps=number("attention.layer_norm_rms_epsilon", 1e-5),
         head_dim=count("attention.key_length", 0, least=0), rope_dim=count("rope.dimension_count", 0, least=0),
-        rope_scaling=_gguf_rope_scaling(key, number, count), name=str(metadata.get("general.name", "")))
+        rope_scaling=_gguf_rope_scaling(key, number, count), name=str(metadata.get("general.name", "")),
+        final_softcap=number("final_logit_softcapping", 0.0))
+    if cfg.arch == "gemma3":
+        cfg.local_layers = tuple(i for i in range(cfg.n_layer) if (i + 1) % _GEMMA3_PATTERN)
+        cfg.rope_local_theta = _GEMMA3_LOCAL_THETA
     if cfg.head_dim < 1 or cfg.rope_dim > cfg.head_dim or cfg.rope_dim % 2:
         raise ValueError(f"GGUF metadata gives head size {cfg.head_dim} and rotary size {cfg.rope_dim}: "
                          "the rotary size must be even and at most the head size")

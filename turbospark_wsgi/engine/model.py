@@ -22,7 +22,11 @@ class Transformer:
     def __init__(self, cfg, weights, xp):
         self.cfg, self.w, self.xp = cfg, weights, xp
         self.inv_freq = rope_inv_freq(cfg, weights.rope_freqs)    # host float64 [rope_dim / 2]
-        self._cos = self._sin = None
+        # rotary tables: [0] global layers, [1] local (sliding-window) layers with their own base
+        self._inv_freqs = [self.inv_freq] + ([rope_inv_freq(cfg, theta=cfg.rope_local_theta)]
+                                             if cfg.rope_local_theta else [])
+        self._layer_rope = [int(i in cfg.local_layers and len(self._inv_freqs) > 1) for i in range(cfg.n_layer)]
+        self._tables = {}
         self._masks = {}
         self._rows_exact = None
         self._rope_table(min(cfg.max_seq_len, 4096))                   # grows on demand
@@ -82,24 +86,25 @@ class Transformer:
             raise ValueError(f"logits must be 'last', 'all' or 'none', not {logits!r}")
         if T == 0 or pos + T > cache.max_seq:
             raise ValueError(f"cannot run {T} tokens at position {pos} with a cache of {cache.max_seq}")
-        cos, sin = self._rope_table(pos + T)
-        cos, sin = cos[pos:pos + T], sin[pos:pos + T]                   # [T, 1, rope_dim/2]
+        ropes = [tuple(t[pos:pos + T] for t in self._rope_table(pos + T, k))   # [T, 1, rope_dim/2] x2
+                 for k in range(len(self._inv_freqs))]
         span = -(-(pos + T) // ATTN_BLOCK) * ATTN_BLOCK                 # end of the last row's block
         x = self._embed(ids)                                            # [T, dim]
         for i, lw in enumerate(w.layers):
             h = rms_norm(x, lw.attn_norm, c.norm_eps, xp)               # [T, dim]
             qkv = self._heads(mm(h, lw.wqkv, xp), lw, T)                # [T, H+2G, D]  q|k|v heads
-            qk = rope(qkv[:, :H + G], cos, sin, c.rope_dim, xp)         # [T, H+G, D]  rotated q and k
+            qk = rope(qkv[:, :H + G], *ropes[self._layer_rope[i]], c.rope_dim, xp)   # [T, H+G, D]
             keys, vals = cache.update(i, pos, qk[:, H:], qkv[:, H + G:], span)  # [<=span, G, D] each
             att = self._prompt_attention(qk[:, :H], keys, vals, pos)    # [T, H*D]
-            x += mm(att, lw.wo, xp)                                     # [T, dim]  residual
+            x += self._post(mm(att, lw.wo, xp), lw.post_attn_norm)      # [T, dim]  residual
             h = rms_norm(x, lw.ffn_norm, c.norm_eps, xp)                # [T, dim]
-            x += mm(swiglu(mm(h, lw.w_gate_up, xp), c.ffn_dim, xp), lw.w_down, xp)   # [T, dim]
+            g = self._gate(mm(h, lw.w_gate_up, xp))                     # [T, ffn_dim]
+            x += self._post(mm(g, lw.w_down, xp), lw.post_ffn_norm)     # [T, dim]  residual
         cache.length = pos + T
         if logits == "none":
             return None
         x = x[-1:] if logits == "last" else x                           # [1 or T, dim]
-        out = to_host(rms_norm(x, w.norm, c.norm_eps, xp) @ w.head)     # [1 or T, vocab]
+        out = self._cap(to_host(rms_norm(x, w.norm, c.norm_eps, xp) @ w.head))   # [1 or T, vocab]
         return out[0] if logits == "last" else out
 
     def decode_batch(self, tokens, caches):
@@ -113,24 +118,24 @@ class Transformer:
         ids = np.asarray(tokens, dtype=np.int64).reshape(-1)
         B, H, G, D = len(ids), c.n_head, c.n_kv_head, c.head_dim
         pos = [cache.length for cache in caches]
-        cos, sin = self._rope_table(max(pos) + 1)
         at = xp.asarray(np.asarray(pos, dtype=np.int64))
-        cos, sin = cos[at], sin[at]                                     # [B, 1, rope_dim/2]
+        ropes = [tuple(t[at] for t in self._rope_table(max(pos) + 1, k))   # [B, 1, rope_dim/2] x2
+                 for k in range(len(self._inv_freqs))]
         x = self._embed(ids)[:, None, :]                                # [B, 1, dim]
         for i, lw in enumerate(w.layers):
             h = rms_norm(x, lw.attn_norm, c.norm_eps, xp)               # [B, 1, dim]
             qkv = self._heads(h @ lw.wqkv, lw, B)                       # [B, H+2G, D]  q|k|v heads
-            qk = rope(qkv[:, :H + G], cos, sin, c.rope_dim, xp)         # [B, H+G, D]
+            qk = rope(qkv[:, :H + G], *ropes[self._layer_rope[i]], c.rope_dim, xp)   # [B, H+G, D]
             att = xp.empty((B, 1, H * D), dtype=x.dtype)                # [B, 1, H*D]
             for b, cache in enumerate(caches):
                 keys, vals = cache.update(i, pos[b], qk[b:b + 1, H:], qkv[b:b + 1, H + G:])
                 att[b] = self._decode_attention(qk[b:b + 1, :H], keys, vals, pos[b])
-            x += att @ lw.wo                                            # [B, 1, dim]  residual
+            x += self._post(att @ lw.wo, lw.post_attn_norm)             # [B, 1, dim]  residual
             h = rms_norm(x, lw.ffn_norm, c.norm_eps, xp)                # [B, 1, dim]
-            x += swiglu(h @ lw.w_gate_up, c.ffn_dim, xp) @ lw.w_down    # [B, 1, dim]  residual
+            x += self._post(self._gate(h @ lw.w_gate_up) @ lw.w_down, lw.post_ffn_norm)   # [B, 1, dim]
         for b, cache in enumerate(caches):
             cache.length = pos[b] + 1
-        return to_host(rms_norm(x, w.norm, c.norm_eps, xp) @ w.head)[:, 0]   # [B, vocab]
+        return self._cap(to_host(rms_norm(x, w.norm, c.norm_eps, xp) @ w.head)[:, 0])   # [B, vocab]
 
     def _heads(self, qkv, lw, rows):
         """The q|k|v product `[rows, (H+2G)*D]` (any leading shape) as heads `[rows, H+2G, D]`, with
@@ -148,12 +153,33 @@ class Transformer:
             qkv[:, H:H + G] = rms_norm(qkv[:, H:H + G], lw.k_norm, c.norm_eps, xp)
         return qkv
 
+    def _post(self, y, norm):
+        """A sub-layer's output as added to the residual: RMS-normed where the architecture has
+        post norms (row-wise, like every step here)."""
+        return y if norm is None else rms_norm(y, norm, self.cfg.norm_eps, self.xp)
+
+    def _gate(self, gu):
+        """The MLP's gated activation of gate|up: SiLU, or GELU (tanh) for Gemma."""
+        c = self.cfg
+        return (gelu_tanh_gate if c.gelu_gate else swiglu)(gu, c.ffn_dim, self.xp)
+
+    def _cap(self, logits):
+        """Final logit soft-capping (cap * tanh(logits / cap)) where the config sets a cap."""
+        cap = self.cfg.final_softcap
+        if not cap:
+            return logits
+        return (np.tanh(logits / np.float32(cap)) * np.float32(cap)).astype(np.float32)
+
     def _embed(self, ids):
         w, xp = self.w, self.xp
         ids = xp.asarray(ids)
         if w.tok_embd is not None:
-            return w.tok_embd[ids]                                      # [T, dim]
-        return xp.ascontiguousarray(w.head[:, ids].T)                   # tied: columns of the head
+            x = w.tok_embd[ids]                                         # [T, dim]
+        else:
+            x = xp.ascontiguousarray(w.head[:, ids].T)                  # tied: columns of the head
+        if self.cfg.embed_scale:
+            x = x * np.float32(np.sqrt(self.cfg.dim))                   # Gemma: times sqrt(dim)
+        return x
 
     def _attention(self, q, keys, vals, pos):
         """Attention of one decode row q `[1, H, D]` (pre-scaled) at position pos over keys/values
@@ -207,14 +233,16 @@ class Transformer:
             self._masks[(t, m)] = self.xp.asarray(mask)
         return self._masks[(t, m)]
 
-    def _rope_table(self, n):
-        """cos/sin `[n, 1, rope_dim/2]` on the device, grown (doubling) when positions outrun it."""
-        if self._cos is None or self._cos.shape[0] < n:
-            size = max(n, 2 * (0 if self._cos is None else self._cos.shape[0]))
-            angles = np.arange(size, dtype=np.float64)[:, None] * self.inv_freq[None, :]
-            self._cos = self.xp.asarray(np.cos(angles).astype(np.float32)[:, None, :])
-            self._sin = self.xp.asarray(np.sin(angles).astype(np.float32)[:, None, :])
-        return self._cos, self._sin
+    def _rope_table(self, n, kind=0):
+        """cos/sin `[n, 1, rope_dim/2]` on the device for rotary table `kind` (0 global, 1 local),
+        grown (doubling) when positions outrun it."""
+        have = self._tables.get(kind)
+        if have is None or have[0].shape[0] < n:
+            size = max(n, 2 * (0 if have is None else have[0].shape[0]))
+            angles = np.arange(size, dtype=np.float64)[:, None] * self._inv_freqs[kind][None, :]
+            self._tables[kind] = (self.xp.asarray(np.cos(angles).astype(np.float32)[:, None, :]),
+                                  self.xp.asarray(np.sin(angles).astype(np.float32)[:, None, :]))
+        return self._tables[kind]
 
 
 def rows_matmul(x, w, xp):
@@ -292,12 +320,29 @@ def swiglu(gu, ffn_dim, xp):
     return a
 
 
-def rope_inv_freq(cfg, freq_factors=None):
+def gelu_tanh_gate(gu, ffn_dim, xp):
+    """gelu_tanh(gate) * up for gu = [T, 2*ffn_dim] (gate | up): 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3)))."""
+    g = gu[..., :ffn_dim]                                              # [T, F]
+    a = g * g
+    a *= np.float32(0.044715)
+    a += 1.0
+    a *= g
+    a *= np.float32(np.sqrt(2.0 / np.pi))
+    xp.tanh(a, out=a)
+    a += 1.0
+    a *= g
+    a *= 0.5
+    a *= gu[..., ffn_dim:]
+    return a
+
+
+def rope_inv_freq(cfg, freq_factors=None, theta=None):
     """Rotary inverse frequencies (float64, [rope_dim/2]) with the config's scaling applied;
-    `freq_factors` (GGUF rope_freqs) divide them when present."""
+    `freq_factors` (GGUF rope_freqs) divide them when present. `theta`: a local layers' own base,
+    which is never scaled (Gemma 3)."""
     dim = cfg.rope_dim
-    inv = 1.0 / cfg.rope_theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
-    scaling = cfg.rope_scaling or {}
+    inv = 1.0 / (theta or cfg.rope_theta) ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
+    scaling = {} if theta else cfg.rope_scaling or {}
     kind = scaling.get("type", "")
     if kind == "linear":
         inv = inv / float(scaling["factor"])

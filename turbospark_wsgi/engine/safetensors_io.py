@@ -14,7 +14,8 @@ _DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}
 _ITEM_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E8M0": 1, "I16": 2, "U16": 2,
                "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
 _ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama",
-                  "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "Phi3ForCausalLM": "phi3"}
+                  "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "Phi3ForCausalLM": "phi3",
+                  "Gemma3ForCausalLM": "gemma3"}
 INDEX_FILE = "model.safetensors.index.json"
 MAX_HEADER_BYTES = 100 * 2 ** 20   # the safetensors format's own limit
 MAX_DIMS = 8
@@ -157,7 +158,7 @@ def _shards(index):
 
 
 def model_config_from_hf(config):
-    """A ModelConfig from a parsed config.json (Llama, Mistral, Qwen2, Qwen3 and Phi-3 causal LMs). An unsupported
+    """A ModelConfig from a parsed config.json (Llama, Mistral, Qwen2, Qwen3, Phi-3 and Gemma 3 text causal LMs). An unsupported
     architecture, a missing key or a value that cannot describe a model raises ValueError naming it."""
     archs = config.get("architectures") or [config.get("model_type", "?")]
     if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
@@ -189,6 +190,9 @@ def model_config_from_hf(config):
         if not isinstance(part, dict):
             raise ValueError(f"config.json {k!r} must be an object, not {short_repr(part)}")
         rope.update(part)
+    # transformers >= 5 nests Gemma 3's two rotary settings by layer type
+    local_rope = rope.pop("sliding_attention", None)
+    rope.update(rope.pop("full_attention", None) or {})
     n_layer, dim, n_head = count("num_hidden_layers"), count("hidden_size"), count("num_attention_heads")
     ffn_dim, vocab = count("intermediate_size"), count("vocab_size")
     n_kv_head = count("num_key_value_heads", 0, least=0) or n_head
@@ -207,13 +211,31 @@ def model_config_from_hf(config):
     if rope_dim < 2 or rope_dim % 2:
         raise ValueError(f"config.json partial_rotary_factor {partial} gives the odd rotary size {rope_dim}")
     name = config.get("_name_or_path", "")
-    return ModelConfig(
+    extra = _gemma3_fields(config, local_rope, number) if arch == "gemma3" else {}
+    return ModelConfig(**extra,
         arch=arch, n_layer=n_layer, dim=dim, n_head=n_head, n_kv_head=n_kv_head, ffn_dim=ffn_dim,
         vocab_size=vocab, max_seq_len=max_seq,
         rope_theta=number(rope, "rope_theta", number(config, "rope_theta", 10000.0, 1e-9), 1e-9),
         norm_eps=number(config, "rms_norm_eps", 1e-6), head_dim=head_dim, rope_dim=rope_dim,
         rope_scaling=_hf_rope_scaling(rope), tied_embeddings=bool(config.get("tie_word_embeddings", False)),
         name=name if isinstance(name, str) else "")
+
+
+def _gemma3_fields(config, local_rope, number):
+    """Gemma 3's ModelConfig fields: local layers (from layer_types or the every-6th-is-global
+    pattern) and their rotary base, query_pre_attn_scalar, final logit soft-capping."""
+    if config.get("attn_logit_softcapping"):
+        raise ValueError("attention logit soft-capping (attn_logit_softcapping) is not supported")
+    n = config["num_hidden_layers"]
+    kinds = config.get("layer_types")
+    if not isinstance(kinds, list) or len(kinds) != n:
+        pattern = config.get("sliding_window_pattern", 6)
+        kinds = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(n)]
+    local_theta = number(local_rope or {}, "rope_theta", number(config, "rope_local_base_freq", 10000.0, 1e-9), 1e-9)
+    return {"local_layers": tuple(i for i, k in enumerate(kinds) if k == "sliding_attention"),
+            "rope_local_theta": local_theta,
+            "query_scalar": number(config, "query_pre_attn_scalar", 0.0) if config.get("query_pre_attn_scalar") else 0.0,
+            "final_softcap": number(config, "final_logit_softcapping", 0.0) if config.get("final_logit_softcapping") else 0.0}
 
 
 def _hf_rope_scaling(rope):

@@ -25,6 +25,13 @@ LAYER_TENSORS = {
     # fused in the file (ModelConfig.fused_qkv, .fused_gate_up): rows q | k | v and gate | up
     "wqkv": ("blk.{i}.attn_qkv.weight", "model.layers.{i}.self_attn.qkv_proj.weight"),
     "w_gate_up": ("blk.{i}.ffn_up.weight", "model.layers.{i}.mlp.gate_up_proj.weight"),
+    # ModelConfig.post_norms: on the attention output and the MLP output, before each residual add
+    "post_attn_norm": ("blk.{i}.post_attention_norm.weight", "model.layers.{i}.post_attention_layernorm.weight"),
+    "post_ffn_norm": ("blk.{i}.post_ffw_norm.weight", "model.layers.{i}.post_feedforward_layernorm.weight"),
+}
+# where an architecture names a tensor otherwise: Gemma's post_attention_layernorm is a post norm
+ARCH_TENSORS = {
+    "gemma3": {"ffn_norm": ("blk.{i}.ffn_norm.weight", "model.layers.{i}.pre_feedforward_layernorm.weight")},
 }
 MODEL_TENSORS = {
     "tok_embd": ("token_embd.weight", "model.embed_tokens.weight"),
@@ -43,6 +50,8 @@ class LayerWeights:
     ffn_norm: object    # [dim]
     w_gate_up: object   # [dim, 2 * ffn_dim]  gate | up
     w_down: object      # [ffn_dim, dim]
+    post_attn_norm: object = None   # [dim] or None (ModelConfig.post_norms)
+    post_ffn_norm: object = None    # [dim] or None
     bqkv: object = None     # [(n_head + 2*n_kv_head) * head_dim]  q (pre-scaled) | k | v biases, or None
     q_norm: object = None   # [head_dim] per-head RMSNorm of q, pre-scaled by 1/sqrt(head_dim), or None
     k_norm: object = None   # [head_dim] per-head RMSNorm of k, or None
@@ -57,16 +66,16 @@ class Weights:
     rope_freqs: object  # host float32 [rope_dim / 2] or None
 
 
-def tensor_name(ours, fmt, layer=None):
-    """The outside name of our tensor `ours` in format `fmt` ("gguf" | "hf")."""
+def tensor_name(ours, fmt, layer=None, arch="llama"):
+    """The outside name of our tensor `ours` in format `fmt` ("gguf" | "hf") for architecture `arch`."""
     table = LAYER_TENSORS if layer is not None else MODEL_TENSORS
-    name = table[ours][FORMATS[fmt]]
+    name = ARCH_TENSORS.get(arch, {}).get(ours, table[ours])[FORMATS[fmt]]
     return None if name is None else name.format(i=layer)
 
 
-def fetch(source, ours, fmt, layer=None):
+def fetch(source, ours, fmt, layer=None, arch="llama"):
     """Our tensor from `source` (anything with `.names` and `.tensor(name)`) as float32."""
-    name = tensor_name(ours, fmt, layer)
+    name = tensor_name(ours, fmt, layer, arch)
     if name is None or name not in source.names:
         where = f" (layer {layer})" if layer is not None else ""
         raise ValueError(f"model file lacks tensor {name or ours!r}{where}")
@@ -123,16 +132,30 @@ def gguf_rows_permuted(cfg):
 
 
 def query_scale(cfg):
-    """The attention scale 1/sqrt(head_dim) as float32."""
-    return np.float32(1.0 / np.sqrt(cfg.head_dim))
+    """The attention scale 1/sqrt(head_dim) (Gemma: 1/sqrt(query_pre_attn_scalar)) as float32."""
+    return np.float32(1.0 / np.sqrt(cfg.query_scalar or cfg.head_dim))
 
 
-def _vector(source, ours, fmt, layer, size):
-    v = fetch(source, ours, fmt, layer)
+def norm_weight(cfg, w, fmt):
+    """An RMSNorm weight as the forward pass multiplies by it. Gemma's Hugging Face weights hold
+    w - 1 (its norm computes x * (1 + w)); llama.cpp's converter already added the 1 to the GGUF's."""
+    w = np.asarray(w, dtype=np.float32)
+    return w + np.float32(1.0) if cfg.norm_plus_one and fmt == "hf" else w
+
+
+def _vector(source, ours, fmt, layer, size, arch="llama"):
+    v = fetch(source, ours, fmt, layer, arch)
     if tuple(v.shape) != (size,):
-        raise ValueError(f"tensor {tensor_name(ours, fmt, layer)!r} has shape {tuple(v.shape)}, "
+        raise ValueError(f"tensor {tensor_name(ours, fmt, layer, arch)!r} has shape {tuple(v.shape)}, "
                          f"the model's config implies {(size,)}")
     return np.asarray(v, dtype=np.float32)
+
+
+def layer_norms(cfg, source, fmt, i, xp):
+    """{attn_norm, ffn_norm, post_attn_norm, post_ffn_norm} of layer i (post norms None unless the
+    architecture has them), uploaded with `xp.asarray`."""
+    names = ("attn_norm", "ffn_norm") + (("post_attn_norm", "post_ffn_norm") if cfg.post_norms else ())
+    return {n: xp.asarray(norm_weight(cfg, _vector(source, n, fmt, i, cfg.dim, cfg.arch), fmt)) for n in names}
 
 
 def attention_extras(cfg, source, fmt, i, xp):
@@ -142,8 +165,8 @@ def attention_extras(cfg, source, fmt, i, xp):
     H, G, D = cfg.n_head, cfg.n_kv_head, cfg.head_dim
     bqkv = q_norm = k_norm = None
     if cfg.qk_norm:
-        q_norm = xp.asarray(_vector(source, "q_norm", fmt, i, D) * query_scale(cfg))
-        k_norm = xp.asarray(_vector(source, "k_norm", fmt, i, D))
+        q_norm = xp.asarray(norm_weight(cfg, _vector(source, "q_norm", fmt, i, D), fmt) * query_scale(cfg))
+        k_norm = xp.asarray(norm_weight(cfg, _vector(source, "k_norm", fmt, i, D), fmt))
     if cfg.attn_bias:
         bq = _vector(source, "bq", fmt, i, H * D)
         if not cfg.qk_norm:
@@ -166,13 +189,13 @@ def load_weights(cfg, source, fmt, xp):
     rope_name = tensor_name("rope_freqs", fmt)
     rope_freqs = source.tensor(rope_name) if rope_name in source.names else None
     return Weights(
-        layers=layers, norm=xp.asarray(fetch(source, "norm", fmt)), head=_upload_t(head, xp),
+        layers=layers, norm=xp.asarray(norm_weight(cfg, fetch(source, "norm", fmt), fmt)), head=_upload_t(head, xp),
         tok_embd=None if cfg.tied_embeddings else xp.asarray(embd), rope_freqs=rope_freqs)
 
 
 def _layer(cfg, source, fmt, i, xp):
     def get(ours):
-        return fetch(source, ours, fmt, i)
+        return fetch(source, ours, fmt, i, cfg.arch)
 
     wq, wk, wv = qkv_parts(cfg, get)                                        # [H*D, dim], [G*D, dim] x2
     if fmt == "gguf" and gguf_rows_permuted(cfg):
@@ -184,10 +207,9 @@ def _layer(cfg, source, fmt, i, xp):
         wq = wq * query_scale(cfg)
     bqkv, q_norm, k_norm = attention_extras(cfg, source, fmt, i, xp)
     return LayerWeights(
-        attn_norm=xp.asarray(get("attn_norm")),
+        **layer_norms(cfg, source, fmt, i, xp),
         wqkv=_upload_t(np.concatenate([wq, wk, wv]), xp),
         wo=_upload_t(get("wo"), xp),
-        ffn_norm=xp.asarray(get("ffn_norm")),
         w_gate_up=_upload_t(np.concatenate(gate_up_parts(cfg, get)), xp),
         w_down=_upload_t(get("w_down"), xp),
         bqkv=bqkv, q_norm=q_norm, k_norm=k_norm)
@@ -220,7 +242,7 @@ def load_quantized_weights(cfg, source):
 
     def layer(i):
         def get(ours):
-            return fetch(source, ours, "gguf", i)
+            return fetch(source, ours, "gguf", i, cfg.arch)
 
         wq, wk, wv = qkv_parts(cfg, lambda ours: blocks(ours, i))
         if wq is not None and wk is not None:
@@ -232,10 +254,9 @@ def load_quantized_weights(cfg, source):
         fp = _layer(cfg, source, "gguf", i, np) if None in (wq, wk, wv) else None
         bqkv, q_norm, k_norm = attention_extras(cfg, source, "gguf", i, np)
         return LayerWeights(
-            attn_norm=get("attn_norm"),
+            **layer_norms(cfg, source, "gguf", i, np),
             wqkv=linear([wq, wk, wv], lambda: fp.wqkv),
             wo=linear([blocks("wo", i)], lambda: _upload_t(get("wo"), np)),
-            ffn_norm=get("ffn_norm"),
             w_gate_up=linear(gate_up_parts(cfg, lambda ours: blocks(ours, i)),
                              lambda: _upload_t(np.concatenate(gate_up_parts(cfg, get)), np)),
             w_down=linear([blocks("w_down", i)], lambda: _upload_t(get("w_down"), np)),
