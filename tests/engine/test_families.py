@@ -262,3 +262,23 @@ def test_gemma3_local_layers_use_their_own_rotary_base(tmp_path):
     ours = model.forward(parity.PROMPT, model.new_cache(), logits="all")
     model._layer_rope = [0] * len(model._layer_rope)
     assert np.abs(model.forward(parity.PROMPT, model.new_cache(), logits="all") - ours).max() > 0.01
+
+
+@pytest.mark.parametrize("window", [None, 64])
+def test_mistral_dir_matches_transformers(tmp_path, window):
+    """MistralForCausalLM runs as llama; a sliding window caps the context (attention stays global)."""
+    cfg = tiny.hf_config(2, False, architectures=["MistralForCausalLM"], model_type="mistral",
+                         sliding_window=window)
+    tiny.write_hf_dir(tmp_path / "m", cfg, tiny.random_state(cfg))
+    loaded = load_model(tmp_path / "m", device="cpu")
+    assert loaded.config.max_seq_len == (window or cfg["max_position_embeddings"])
+    reference = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "m", dtype=torch.float32, attn_implementation="eager").eval()
+    parity.assert_parity(loaded, reference)
+
+
+def test_biased_llama_projections_are_refused(tmp_path):
+    cfg = tiny.hf_config(attention_bias=True)
+    tiny.write_hf_dir(tmp_path / "m", cfg, tiny.random_state(cfg))
+    with pytest.raises(ValueError, match="attention_bias"):
+        load_model(tmp_path / "m", device="cpu")

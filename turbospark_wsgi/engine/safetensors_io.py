@@ -168,6 +168,10 @@ def model_config_from_hf(config):
         raise ValueError(f"unsupported model architecture {short_repr(archs[0])} "
                          f"(supported: {', '.join(_ARCHITECTURES)})")
 
+    for k in ("attention_bias", "mlp_bias"):   # biases the weight table has no place for
+        if config.get(k) and arch != "qwen2":
+            raise ValueError(f"config.json {k} is set: biased {arch} projections are not supported")
+
     def count(k, default=KeyError, least=1):
         value = config.get(k)
         if value is None:
