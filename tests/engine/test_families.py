@@ -282,3 +282,15 @@ def test_biased_llama_projections_are_refused(tmp_path):
     tiny.write_hf_dir(tmp_path / "m", cfg, tiny.random_state(cfg))
     with pytest.raises(ValueError, match="attention_bias"):
         load_model(tmp_path / "m", device="cpu")
+
+
+def test_norm_weight_owns_gemmas_plus_one():
+    """Hugging Face Gemma weights hold w - 1, llama.cpp's GGUF holds w; every other family holds w."""
+    from turbospark_wsgi.engine.config import ModelConfig
+    from turbospark_wsgi.engine.weights import norm_weight
+    w = np.array([-0.5, 0.0, 0.25], dtype=np.float32)
+    shape = dict(n_layer=1, dim=4, n_head=1, n_kv_head=1, ffn_dim=4, vocab_size=4, max_seq_len=8)
+    gemma, llama = ModelConfig(arch="gemma3", **shape), ModelConfig(arch="llama", **shape)
+    assert np.array_equal(norm_weight(gemma, w, "hf"), w + 1) and norm_weight(gemma, w, "hf").dtype == np.float32
+    assert np.array_equal(norm_weight(gemma, w, "gguf"), w)
+    assert np.array_equal(norm_weight(llama, w, "hf"), w)
