@@ -124,11 +124,14 @@ def cmd_pull(args):
 
 
 def cmd_models(args):
+    from .registry import is_embedding_model
+
     rows = installed_models(models_dir(args))
     if not rows:
         print(f"no models in {models_dir(args)}; try `turbospark pull`", file=sys.stderr)
     for model_id, size, path in rows:
-        print(f"{model_id}\t{size / 2**20:.1f} MiB\t{path}")
+        kind = "embedding" if is_embedding_model(str(path)) else "generation"
+        print(f"{model_id}\t{size / 2**20:.1f} MiB\t{path}\t{kind}")
 
 
 def _registry(directory, model=pulling.DEFAULT_MODEL):
