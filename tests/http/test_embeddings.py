@@ -155,3 +155,25 @@ def test_matryoshka_dimensions_truncate_and_renormalise(direct, monkeypatch):
     cut = direct.embed([direct.encode("a test")], dimensions=64)[0]
     assert cut.shape == (64,) and abs(np.linalg.norm(cut) - 1) < 1e-5
     np.testing.assert_allclose(cut, full[:64] / np.linalg.norm(full[:64]), atol=1e-6)
+
+
+def test_hostile_bodies_are_4xx_in_the_openai_envelope(client):
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    scalars = st.one_of(st.none(), st.booleans(), st.integers(-2 ** 40, 2 ** 40), st.floats(allow_nan=False),
+                        st.text(max_size=20))
+    values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(
+        st.text(max_size=5), inner, max_size=3), max_leaves=12)
+    fields = st.fixed_dictionaries({}, optional={"input": values, "dimensions": values, "encoding_format": values,
+                                                 "model": st.sampled_from([M, "", None, 3]), "user": values})
+
+    @settings(max_examples=150, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck))
+    @given(fields)
+    def run(body):
+        r = client.post_json("/v1/embeddings", body, status="*")
+        assert r.status_int in (200, 400, 404), (r.status_int, body, r.text[:300])
+        if r.status_int != 200:
+            assert set(r.json["error"]) == {"message", "type", "param", "code"}, r.json
+
+    run()
