@@ -281,9 +281,12 @@ class Service:
                                      f"{engine.dim}", param="dimensions")
             seqs = _embedding_ids(engine, req)
             vectors = []
-            for start in range(0, len(seqs), EMBED_CHUNK):
-                chunk = compute.run(engine.embed, seqs[start:start + EMBED_CHUNK], req.dimensions)
-                vectors.extend(chunk.tolist())
+            # NOTE(queue): a place in the same FIFO as generations (503 when it is full), held while
+            # the chunks run, so a flood of embeddings waits its turn instead of crowding the compute thread
+            with self.queue.slot():
+                for start in range(0, len(seqs), EMBED_CHUNK):
+                    chunk = compute.run(engine.embed, seqs[start:start + EMBED_CHUNK], req.dimensions)
+                    vectors.extend(chunk.tolist())
             return EmbeddingResult(vectors, sum(len(s) for s in seqs), name)
         finally:
             lease.release()

@@ -177,3 +177,23 @@ def test_hostile_bodies_are_4xx_in_the_openai_envelope(client):
             assert set(r.json["error"]) == {"message", "type", "param", "code"}, r.json
 
     run()
+
+
+def test_embeddings_take_a_place_in_the_generation_queue(root):
+    import webtest
+    from turbospark_wsgi.app import create_app
+    from turbospark_wsgi.config import Config
+    from turbospark_wsgi.service import Service
+    config = Config(models_dir=str(root), model=M, device="cpu", load_default=False, max_batch=1, max_waiting=1,
+                    queue_timeout=0.3)
+    service = Service(config)
+    client = webtest.TestApp(create_app(config, service=service))
+    embed(client, input="warm")
+    held = service.queue.enqueue()          # a running generation holds the only slot
+    assert held.wait(1)
+    try:
+        err = client.post_json("/v1/embeddings", {"model": M, "input": "waits"}, status=503).json["error"]
+        assert err["type"] and err["message"], err
+    finally:
+        held.release()
+    assert vectors(embed(client, input="now it runs")).shape == (1, 384)
