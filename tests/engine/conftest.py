@@ -153,17 +153,7 @@ def write_gguf(path, cfg, state, qtype="F32", drop=(), raw=None, arch="llama"):
     import gguf
     raw = raw or {}
     w = gguf.GGUFWriter(str(path), arch)
-    w.add_name("tiny-llama")
-    w.add_block_count(cfg["num_hidden_layers"])
-    w.add_context_length(cfg["max_position_embeddings"])
-    w.add_embedding_length(cfg["hidden_size"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_head_count(cfg["num_attention_heads"])
-    w.add_head_count_kv(cfg["num_key_value_heads"])
-    w.add_rope_freq_base(cfg["rope_theta"])
-    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    w.add_rope_dimension_count(cfg["hidden_size"] // cfg["num_attention_heads"])
-    w.add_vocab_size(cfg["vocab_size"])
+    add_gguf_hparams(w, cfg, "tiny-llama")
     scaling = cfg.get("rope_scaling") or {}
     if scaling.get("rope_type") == "linear":
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
@@ -185,11 +175,35 @@ def write_gguf(path, cfg, state, qtype="F32", drop=(), raw=None, arch="llama"):
             held[name] = stored.reshape(heads, -1, 2, stored.shape[1]).swapaxes(1, 2).reshape(stored.shape)
         else:
             held[name] = store_gguf_tensor(w, gguf_name(name), value, qtype)
+    finish_gguf(w)
+    return held
+
+
+def add_gguf_hparams(w, cfg, name):
+    """The model keys llama.cpp's converter writes from a config.json (head_dim and a partial
+    rotary factor only where the config sets them)."""
+    w.add_name(name)
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_rope_freq_base(cfg["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    if cfg.get("head_dim"):
+        w.add_key_length(cfg["head_dim"])
+        w.add_value_length(cfg["head_dim"])
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    w.add_rope_dimension_count(int(head_dim * cfg.get("partial_rotary_factor", 1.0)))
+    w.add_vocab_size(cfg["vocab_size"])
+
+
+def finish_gguf(w):
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    return held
 
 
 def _add_gguf_tokenizer(w):

@@ -108,21 +108,7 @@ def write_family_gguf(path, family, cfg, state, qtype):
     (no llama interleave), vectors (norms, biases) in float32. Returns the values the file holds."""
     import gguf
     w = gguf.GGUFWriter(str(path), family)
-    w.add_name(f"tiny-{family}")
-    w.add_block_count(cfg["num_hidden_layers"])
-    w.add_context_length(cfg["max_position_embeddings"])
-    w.add_embedding_length(cfg["hidden_size"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_head_count(cfg["num_attention_heads"])
-    w.add_head_count_kv(cfg["num_key_value_heads"])
-    w.add_rope_freq_base(cfg["rope_theta"])
-    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    if cfg.get("head_dim"):
-        w.add_key_length(cfg["head_dim"])
-        w.add_value_length(cfg["head_dim"])
-    hd = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    w.add_rope_dimension_count(int(hd * cfg.get("partial_rotary_factor", 1.0)))
-    w.add_vocab_size(cfg["vocab_size"])
+    tiny.add_gguf_hparams(w, cfg, f"tiny-{family}")
     if cfg.get("sliding_window"):
         w.add_sliding_window(cfg["sliding_window"])
     tiny._add_gguf_tokenizer(w)
@@ -130,10 +116,7 @@ def write_family_gguf(path, family, cfg, state, qtype):
             for name, value in state.items()}
     held = {k: v - np.float32(1.0) if family == "gemma3" and k.endswith("norm.weight") else v
             for k, v in held.items()}
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    tiny.finish_gguf(w)
     return held
 
 
@@ -198,10 +181,7 @@ def test_unsupported_architecture_is_named_at_load(tmp_path, arch):
     import gguf
     w = gguf.GGUFWriter(str(tmp_path / "x.gguf"), arch)
     w.add_block_count(1)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    tiny.finish_gguf(w)
     with pytest.raises(ValueError, match=f"unsupported model architecture '{arch}'"):
         load_model(tmp_path / "x.gguf", device="cpu")
 
