@@ -183,6 +183,21 @@ def default_model():
     return path
 
 
+@pytest.fixture(scope="module")
+def server(default_model, start_gunicorn):
+    """A module's gthread server on the default model (modules that need another define their own)."""
+    srv = start_gunicorn("gthread", model="smollm2-135m-instruct", keepalive=1)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+def oai(server):
+    """The openai SDK against the module's `server`, without retries."""
+    openai = pytest.importorskip("openai")
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=120)
+
+
 @pytest.fixture(scope="session")
 def raw_stream():
     return RawStream

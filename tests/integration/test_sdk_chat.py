@@ -15,18 +15,6 @@ TOOLS = [{"type": "function", "function": {
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
 
 
-@pytest.fixture(scope="module")
-def server(default_model, start_gunicorn):
-    srv = start_gunicorn("gthread", model=MODEL, keepalive=1)
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture
-def oai(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=120)
-
-
 @pytest.fixture
 def claude(server):
     return anthropic.Anthropic(base_url=server.url, api_key="x", max_retries=0, timeout=120)

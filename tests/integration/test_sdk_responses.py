@@ -23,18 +23,6 @@ TOOLS = [{"type": "function", "name": "get_weather", "description": "Weather for
 ASK = dict(model=MODEL, input="Name one colour.", max_output_tokens=24, temperature=0)
 
 
-@pytest.fixture(scope="module")
-def server(default_model, start_gunicorn):
-    srv = start_gunicorn("gthread", model=MODEL, keepalive=1)
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture
-def oai(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=120)
-
-
 def test_create_and_stream_end_in_the_same_text(oai):
     body = oai.responses.create(**ASK)
     assert body.object == "response" and body.status in ("completed", "incomplete") and body.output_text
