@@ -20,18 +20,17 @@ def app_for(path, tmp_path_factory):
     models = tmp_path_factory.mktemp("models")
     (models / path.name).symlink_to(path)
     config = Config(models_dir=str(models), model=path.stem, load_default=False, device="cpu")
-    app = create_app(config)
-    return webtest.TestApp(app), app
+    return webtest.TestApp(create_app(config))
 
 
 @pytest.fixture(scope="module")
 def smollm(tmp_path_factory):
-    return app_for(SMOLLM, tmp_path_factory)[0]
+    return app_for(SMOLLM, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
 def stories(tmp_path_factory):
-    return app_for(STORIES, tmp_path_factory)[0]
+    return app_for(STORIES, tmp_path_factory)
 
 
 def test_stories_chat_runs_and_counts(stories):
