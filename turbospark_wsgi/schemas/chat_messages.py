@@ -8,7 +8,8 @@ from .json_schema import check_schema
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 _TOOL_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
-_UNSUPPORTED_PARTS = {"image_url": "image", "input_audio": "audio", "file": "file", "video_url": "video"}
+_UNSUPPORTED_PARTS = {"image_url": "Image", "input_audio": "Audio", "file": "File", "video_url": "Video"}
+_CHAT_TEXT_PARTS = {"text": "text", "refusal": "refusal"}
 
 
 def parse_messages(value):
@@ -42,7 +43,16 @@ def _message(msg, param, names):
 
 def text_content(content, param):
     """A string, or an array of text parts joined by newlines; other part types are refused."""
-    if content is None or isinstance(content, str):
+    if content is None:
+        return None
+    return joined_text(content, param, _CHAT_TEXT_PARTS, _UNSUPPORTED_PARTS, "text")
+
+
+def joined_text(content, param, text_parts, media_parts, example):
+    """A string, or an array of content parts joined by newlines. `text_parts` maps a part type to
+    the key holding its text; `media_parts` maps the types refused as unsupported input to their
+    name; any other part is refused as not text (`example`: the text part type to suggest)."""
+    if isinstance(content, str):
         return content
     if not isinstance(content, list):
         fail(param, f"'{param}' must be a string or an array of content parts.")
@@ -50,12 +60,14 @@ def text_content(content, param):
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
         kind = kind if isinstance(kind, str) else None      # a non-string type is no known part
-        if kind in _UNSUPPORTED_PARTS:
+        if kind in media_parts:
             fail(f"{param}[{j}].type",
-                 f"{_UNSUPPORTED_PARTS[kind].capitalize()} input is not supported: this server serves text-only models.")
-        if kind not in ("text", "refusal") or not isinstance(part.get(kind), str):
-            fail(f"{param}[{j}]", f"'{param}[{j}]' must be a text part: {{\"type\": \"text\", \"text\": \"...\"}}.")
-        texts.append(part[kind])
+                 f"{media_parts[kind]} input is not supported: this server serves text-only models.")
+        key = text_parts.get(kind)
+        if key is None or not isinstance(part.get(key), str):
+            fail(f"{param}[{j}]",
+                 f"'{param}[{j}]' must be a text part: {{\"type\": \"{example}\", \"text\": \"...\"}}.")
+        texts.append(part[key])
     return "\n".join(texts)
 
 

@@ -3,7 +3,7 @@ outputs, reasoning) turned into the message dicts chat templates take, as chat_m
 /v1/chat/completions. Every refusal names its JSON path, e.g. "input[2].content[0].text".
 """
 from .anthropic import tool_input
-from .chat_messages import history_arguments
+from .chat_messages import history_arguments, joined_text
 from .checks import fail, typed
 
 ROLES = ("user", "assistant", "system", "developer")
@@ -57,23 +57,7 @@ def _message(item, param):
 
 def text_parts(content, param):
     """A string, or an array of text parts (input_text, output_text, refusal) joined by newlines."""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        fail(param, f"'{param}' must be a string or an array of content parts.")
-    texts = []
-    for j, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else None
-        kind = kind if isinstance(kind, str) else None
-        if kind in _MEDIA_PARTS:
-            fail(f"{param}[{j}].type",
-                 f"{_MEDIA_PARTS[kind]} input is not supported: this server serves text-only models.")
-        key = _TEXT_PARTS.get(kind)
-        if key is None or not isinstance(part.get(key), str):
-            fail(f"{param}[{j}]",
-                 f"'{param}[{j}]' must be a text part: {{\"type\": \"input_text\", \"text\": \"...\"}}.")
-        texts.append(part[key])
-    return "\n".join(texts)
+    return joined_text(content, param, _TEXT_PARTS, _MEDIA_PARTS, "input_text")
 
 
 def _call(item, param, messages):
