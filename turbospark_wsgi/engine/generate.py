@@ -184,13 +184,13 @@ class Scheduler:
         self._clock = 0             # acquisition counter, for least-recently-used slot reuse
 
     def add(self, prompt, params, should_stop=None):
-        seq = Sequence(self.acquire(prompt), self.tokenizer, prompt, params, should_stop,
-                       self.chunk, self.max_context)
-        self.active.append(seq)
-        return seq
+        return self._start(Sequence, prompt, params, should_stop)
 
     def add_scoring(self, prompt, top, should_stop=None):
-        seq = Scoring(self.acquire(prompt), self.tokenizer, prompt, top, should_stop, self.chunk, self.max_context)
+        return self._start(Scoring, prompt, top, should_stop)
+
+    def _start(self, kind, prompt, options, should_stop):
+        seq = kind(self.acquire(prompt), self.tokenizer, prompt, options, should_stop, self.chunk, self.max_context)
         self.active.append(seq)
         return seq
 
@@ -259,7 +259,7 @@ class Scheduler:
         # NOTE(fault): only the shared batched product gets here; it leaves every cache it
         # touched unknown: forget them all and fail every running sequence with the same error.
         for seq in self.active:
-            seq.error, seq.state, seq.pending = error, _DONE, None
+            seq.fail(error)
         for slot in self.slots:
             slot.forget()
 
