@@ -96,15 +96,15 @@ def test_cache_prefix_reuse_equals_fresh_run(tiny_gguf):
     m = load_model(tiny_gguf().path).model
     a, b, c = [5, 70, 9, 33, 120, 7], [44, 45, 46], [99, 100, 3, 4]
     cache = m.new_cache(64)
-    m.forward(a + b, cache, logits="none", exact=True)
+    m.forward(a + b, cache, logits="none", row_exact=True)
     cache.truncate(len(a))
-    reused = m.forward(c, cache, logits="all", exact=True)
-    fresh = m.forward(a + c, m.new_cache(64), logits="all", exact=True)[len(a):]
+    reused = m.forward(c, cache, logits="all", row_exact=True)
+    fresh = m.forward(a + c, m.new_cache(64), logits="all", row_exact=True)[len(a):]
     assert cache.length == len(a + c)
     assert np.abs(reused - fresh).max() < 1e-5
     cache.reset()
     assert cache.length == 0
-    again = m.forward(a + c, cache, logits="all", exact=True)[len(a):]
+    again = m.forward(a + c, cache, logits="all", row_exact=True)[len(a):]
     assert np.array_equal(again, fresh)                 # same call shapes: same bits on any BLAS
     if not m.rows_exact:
         pytest.skip("this BLAS gives rows of few-row products other bits: the server reuses whole chunks")

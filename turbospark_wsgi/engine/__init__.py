@@ -6,7 +6,8 @@
         ...   # Prefill, Token, then one Finish
 
 Each `next()` on the generator does at most one prefill chunk or one decode step, so a caller may
-drive it one step at a time from a compute thread. One generation at a time per Engine.
+drive it one step at a time from a compute thread. Up to `max_batch` runs of one Engine are alive at
+once and share decode steps (engine/scheduler.py); all of them are driven from that one thread.
 """
 from .events import Finish, FinishReason, Prefill, Scores, Token
 from .sampling import SamplingParams

@@ -1,10 +1,11 @@
-"""Engine: one loaded model, its tokenizer and chat template, and one KV cache with prefix reuse."""
+"""Engine: one loaded model, its tokenizer and chat template, and the scheduler that batches its runs
+over a prefix cache of up to `max_batch` KV caches."""
 from pathlib import Path
 
 from .chat_template import ChatTemplate
 from .constraints import ConstraintCompiler, ThinkingBudget
 from .events import Finish
-from .generate import Scheduler
+from .scheduler import Scheduler
 from .loader import load_model
 from .tokenizer import Tokenizer
 

@@ -73,13 +73,13 @@ class Transformer:
         c = self.cfg
         return KVCache(c.n_layer, max_seq or c.max_seq_len, c.n_kv_head, c.head_dim, self.xp)
 
-    def forward(self, tokens, cache, logits="last", exact=False):
+    def forward(self, tokens, cache, logits="last", row_exact=False):
         """Runs `tokens` (ids) at positions cache.length.. and advances cache.length by len(tokens).
         Returns host float32 logits: "last" -> [vocab], "all" -> [T, vocab], "none" -> None.
-        `exact` runs the products on `rows_matmul`, so each position's K/V bits do not depend on
+        `row_exact` runs the products on `rows_matmul`, so each position's K/V bits do not depend on
         how the prompt was cut into calls (where `rows_exact`)."""
         c, w, xp = self.cfg, self.w, self.xp
-        mm = rows_matmul if exact else _plain_matmul
+        mm = rows_matmul if row_exact else _plain_matmul
         ids = np.asarray(tokens, dtype=np.int64).reshape(-1)
         T, pos, H, G = len(ids), cache.length, c.n_head, c.n_kv_head
         if logits not in ("last", "all", "none"):

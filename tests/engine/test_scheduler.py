@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from turbospark_wsgi.engine.events import Finish, Prefill, Token
-from turbospark_wsgi.engine.generate import Scheduler
+from turbospark_wsgi.engine.scheduler import Scheduler
 from turbospark_wsgi.engine.sampling import SamplingParams
 
 ALPHABET = "abcdefghijklmnopqrstuvwxyz <>|/"
@@ -38,7 +38,7 @@ class ScriptedModel:
     def new_cache(self, max_seq):
         return Cache(max_seq)
 
-    def forward(self, tokens, cache, logits="last", exact=False):
+    def forward(self, tokens, cache, logits="last", row_exact=False):
         self.calls.append(list(tokens))
         cache.tokens.extend(tokens)
         cache.length += len(tokens)

@@ -1,4 +1,5 @@
-"""Sequences and the scheduler: chunked prefill, then decode steps batched across sequences.
+"""Sequences and the scheduler: chunked prefill, then decode steps batched across sequences; each
+sequence runs in a prefix-cache slot (prefix_cache.Slot), and only the scheduler changes a slot.
 
 Every call runs on one thread (the compute thread). `Scheduler.poll(seq)` returns the events that
 sequence has waiting; when it has none, it runs one step for every active sequence: one prefill
@@ -9,76 +10,11 @@ import numpy as np
 
 from .events import Finish, FinishReason, Prefill, Scores, Token
 from .model import SMALL_WINDOW
+from .prefix_cache import Slot
 from .sampling import Sampler, SamplingParams, log_softmax, top_n
 from .stops import StopMatcher
 
 _PREFILL, _DECODE, _DONE = "prefill", "decode", "done"
-
-
-def common_prefix(a, b):
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
-class Slot:
-    """One KV cache and the token ids whose K/V it holds. The first `exact` ids hold K/V that a run
-    without the cache would compute bit for bit, so a later prompt that starts with them reuses them.
-
-    Which ids are exact depends on the model. Where `model.decode_exact` (quantized products and
-    fused attention on the CPU: every row computed on its own), every position, the reply's decode
-    steps included. Else where `model.rows_exact`, every position of a prompt of more than
-    SMALL_WINDOW tokens: such prompts run all their rows on the row-exact path, in any pieces
-    (reused in whole tokens), while short prompts and decode steps run on few-row products whose
-    bits differ. Otherwise only whole prefill chunks aligned to multiples of the chunk size."""
-
-    __slots__ = ("cache", "ids", "exact", "busy", "used", "granule", "every_row")
-
-    def __init__(self, cache, granule, every_row=False):
-        self.cache, self.ids, self.exact, self.busy, self.used = cache, [], 0, False, 0
-        self.granule = granule      # 1 where any prefix is exact, else the prefill chunk (also
-                                    # when chunks are short windows themselves)
-        self.every_row = every_row  # short prompts and decode steps are exact too
-
-    def reusable(self, prompt):
-        # NOTE(prefix-cache): the last prompt token always runs, so there are logits to sample from
-        n = min(common_prefix(self.ids, prompt), self.exact, len(prompt) - 1)
-        return n - n % self.granule
-
-    def keep(self, n):
-        self.cache.truncate(n)
-        del self.ids[n:]
-        self.exact = min(self.exact, n)
-
-    def forget(self):
-        self.keep(0)
-
-    def pieces(self, prompt, chunk):
-        """The next prompt piece to run after the held ids, and whether it runs row-exact."""
-        start, n = len(self.ids), len(prompt)
-        if self.granule > 1:                                            # whole aligned chunks
-            return prompt[start:start - start % chunk + chunk], False
-        end = start + chunk if n - (start + chunk) > SMALL_WINDOW else n   # no short tail call
-        return prompt[start:end], n > SMALL_WINDOW or self.every_row
-
-    def decoded(self, token):
-        """Records that a decode step put `token`'s K/V at the next position."""
-        self.ids.append(token)
-        if self.every_row and self.exact == len(self.ids) - 1:
-            self.exact = len(self.ids)
-
-    def prefill(self, model, piece, logits, rows):
-        """Runs prompt tokens `piece` after the held ones, on the row-exact path if `rows`, and
-        extends the exact prefix where the piece keeps it exact."""
-        exact = self.exact == len(self.ids) and (rows if self.granule == 1 else len(piece) == self.granule)
-        out = model.forward(piece, self.cache, logits=logits, exact=rows)
-        self.ids.extend(piece)
-        if exact:
-            self.exact = len(self.ids)
-        return out
 
 
 class Sequence:
@@ -103,9 +39,9 @@ class Sequence:
         return self.state == _DONE
 
     def prefill_chunk(self, model):
-        piece, rows = self.slot.pieces(self.prompt, self.chunk)
+        piece, row_exact = self.slot.pieces(self.prompt, self.chunk)
         last = len(self.slot.ids) + len(piece) == len(self.prompt)
-        logits = self.slot.prefill(model, piece, "last" if last else "none", rows)
+        logits = self.slot.prefill(model, piece, "last" if last else "none", row_exact)
         self.events.append(Prefill(len(self.slot.ids), len(self.prompt)))
         if last:
             self.state = _DECODE
@@ -164,8 +100,8 @@ class Scoring(Sequence):
 
     def prefill_chunk(self, model):
         start = len(self.slot.ids)
-        piece, rows = self.slot.pieces(self.prompt, self.chunk)
-        lp = log_softmax(self.slot.prefill(model, piece, "all", rows))             # [T, V]
+        piece, row_exact = self.slot.pieces(self.prompt, self.chunk)
+        lp = log_softmax(self.slot.prefill(model, piece, "all", row_exact))             # [T, V]
         nxt = self.prompt[start + 1:start + len(piece) + 1]
         self.events += [Prefill(len(self.slot.ids), len(self.prompt)),
                         Scores([(float(row[t]), top_n(row, self.top)) for row, t in zip(lp, nxt)])]
