@@ -53,6 +53,7 @@ class GenerationRequest:
     prompt_param: str = "prompt"            # the request field blamed when the prompt is too long
     assistant_prefix: str = ""              # chat only: text the reply starts with (a forced tool call)
     thinking_budget: int | None = None      # reasoning tokens before the think tag is closed (no grammar)
+    truncate_prompt_tokens: int | None = None   # vLLM's: keep the prompt's last N tokens (-1: the context)
 
 
 @dataclass(slots=True)
@@ -63,6 +64,8 @@ class EmbeddingRequest:
     texts: list | None = None
     ids: list | None = None
     dimensions: int | None = None       # None: the model's own
+    truncate: int | None = None         # vLLM's truncate_prompt_tokens: keep each input's last N tokens
+                                        # (-1: the model's limit); None: over-long inputs are refused
 
 
 @dataclass(slots=True)
@@ -221,6 +224,10 @@ class Service:
             ids = _encode_text(engine, req)
         if not ids:
             raise InvalidRequest("the prompt is empty", param=req.prompt_param)
+        if req.truncate_prompt_tokens is not None:
+            keep = _truncation(req.truncate_prompt_tokens, self._context(engine), "context length")
+            bos = req.prompt is not None and req.add_special and engine.add_bos
+            ids = keep_last(ids, keep, head=int(bos))
         return ids
 
     def _context(self, engine):
@@ -279,7 +286,8 @@ class Service:
             if req.dimensions is not None and req.dimensions > engine.dim:
                 raise InvalidRequest(f"'dimensions' is {req.dimensions}; the model '{name}' embeds in "
                                      f"{engine.dim}", param="dimensions")
-            seqs = _embedding_ids(engine, req)
+            keep = None if req.truncate is None else _truncation(req.truncate, engine.max_tokens, "input limit")
+            seqs = _embedding_ids(engine, req, keep)
             vectors = []
             # NOTE(queue): a place in the same FIFO as generations (503 when it is full), held while
             # the chunks run, so a flood of embeddings waits its turn instead of crowding the compute thread
@@ -343,10 +351,34 @@ def _generating(engine, name):
     return engine
 
 
-def _embedding_ids(engine, req):
+def _truncation(value, limit, what):
+    """The number of tokens `truncate_prompt_tokens` keeps: -1 is the model's limit; more than the
+    limit is a 400, as in vLLM."""
+    if value > limit:
+        raise InvalidRequest(f"'truncate_prompt_tokens' is {value}; this model's {what} is {limit} tokens",
+                             param="truncate_prompt_tokens")
+    return limit if value < 0 else value
+
+
+def keep_last(ids, n, head=0, tail=0):
+    """The last `n` tokens of `ids` (vLLM's left truncation), keeping the `head` leading and `tail`
+    trailing special tokens the tokenizer added (BOS, [CLS] ... [SEP]) as the tokenizer's own
+    truncation does, where they leave room for at least one token of the text."""
+    if len(ids) <= n:
+        return list(ids)
+    if n <= head + tail:
+        return list(ids[-n:])
+    end = len(ids) - tail
+    return list(ids[:head]) + list(ids[end - (n - head - tail):end]) + list(ids[end:])
+
+
+def _embedding_ids(engine, req, keep=None):
     """Token ids of every input, each checked: not empty, inside the vocabulary, within the
-    model's limit (an input over it is refused, never cut)."""
+    model's limit (an input over it is refused unless `keep`, truncate_prompt_tokens, cuts it)."""
     seqs = engine.encode_batch(req.texts) if req.texts is not None else [list(s) for s in req.ids]
+    if keep is not None:
+        head, tail = engine.special_span if req.texts is not None else (0, 0)
+        seqs = [keep_last(s, keep, head, tail) for s in seqs]
     for i, ids in enumerate(seqs):
         where = f"input[{i}]" if len(seqs) > 1 or req.texts is None else "input"
         if req.ids is not None:
@@ -358,7 +390,8 @@ def _embedding_ids(engine, req):
                                      f"(0..{engine.vocab_size - 1})", param="input")
         if len(ids) > engine.max_tokens:
             raise InvalidRequest(f"{where} has {len(ids)} tokens; this model embeds at most {engine.max_tokens} "
-                                 f"tokens per input", param="input", code="context_length_exceeded")
+                                 f"tokens per input (truncate_prompt_tokens keeps the last N)", param="input",
+                                 code="context_length_exceeded")
     return seqs
 
 

@@ -116,6 +116,31 @@ def test_bad_input_is_a_400_naming_the_field(client, body, param, words):
     assert vectors(embed(client, input="still fine")).shape == (1, 384)     # and the next request is served
 
 
+def test_truncate_prompt_tokens_keeps_the_last_tokens_and_the_special_ones(client, direct):
+    text = " ".join(f"w{i}" for i in range(400))
+    ids = direct.encode(text)
+    assert len(ids) > 256 and direct.special_span == (1, 1)
+    kept = ids[:1] + ids[-(256 - 1):]                         # [CLS] + the end of the text + [SEP]
+    for value in (-1, 256):
+        doc = embed(client, input=["short", text], truncate_prompt_tokens=value)
+        assert doc["usage"]["prompt_tokens"] == len(direct.encode("short")) + 256
+        np.testing.assert_allclose(vectors(doc)[1], direct.embed([kept])[0], atol=1e-5)
+    ten = vectors(embed(client, input=text, truncate_prompt_tokens=10))[0]
+    np.testing.assert_allclose(ten, direct.embed([ids[:1] + ids[-9:]])[0], atol=1e-5)
+    by_ids = embed(client, input=[ids], truncate_prompt_tokens=10)           # client ids: the plain last 10
+    np.testing.assert_allclose(vectors(by_ids)[0], direct.embed([ids[-10:]])[0], atol=1e-5)
+    short = embed(client, input="short", truncate_prompt_tokens=100)
+    np.testing.assert_allclose(vectors(short)[0], vectors(embed(client, input="short"))[0], atol=1e-6)
+
+
+@pytest.mark.parametrize("value, words", [(0, "-1 (the model's limit) or at least 1"), (-2, ">= -1"),
+                                          (257, "is 257; this model's input limit is 256"), (1.5, "integer")])
+def test_truncate_prompt_tokens_refusals(client, value, words):
+    err = client.post_json("/v1/embeddings", {"model": M, "input": "a", "truncate_prompt_tokens": value},
+                           status=400).json["error"]
+    assert err["param"] == "truncate_prompt_tokens" and words in err["message"], err
+
+
 def test_nested_too_deep_is_a_400(client):
     deep = "x"
     for _ in range(200):

@@ -89,6 +89,29 @@ def test_context_overflow_uses_the_model_context(client):
     assert r.json["error"]["code"] == "context_length_exceeded" and "512" in r.json["error"]["message"]
 
 
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(client, direct):
+    ids = direct.encode("word " * 600, add_bos=direct.add_bos)
+    head = ids[:1] if direct.add_bos else []
+    kept = head + ids[-(100 - len(head)):]
+    body = {"model": "stories260K", "max_tokens": 8, "temperature": 0}
+    cut = client.post_json("/v1/completions", dict(body, prompt="word " * 600, truncate_prompt_tokens=100)).json
+    want = client.post_json("/v1/completions", dict(body, prompt=kept)).json
+    assert cut["usage"]["prompt_tokens"] == 100 and cut["choices"] == want["choices"]
+    by_ids = client.post_json("/v1/completions", dict(body, prompt=ids, truncate_prompt_tokens=100)).json
+    assert by_ids["usage"]["prompt_tokens"] == 100         # client ids: the plain last 100
+    short = client.post_json("/v1/completions", dict(body, prompt=PROMPT, truncate_prompt_tokens=100)).json
+    assert short["usage"]["prompt_tokens"] == len(direct.encode(PROMPT, add_bos=direct.add_bos))
+
+
+@pytest.mark.parametrize("value, words", [(0, "-1 (the model's limit) or at least 1"), (-2, ">= -1"),
+                                          (513, "is 513; this model's context length is 512"),
+                                          ("5", "integer"), (-1, "but the prompt has 512 tokens")])
+def test_truncate_prompt_tokens_refusals(client, value, words):
+    r = client.post_json("/v1/completions", {"model": "stories260K", "prompt": "word " * 600,
+                                             "truncate_prompt_tokens": value}, status=400)
+    assert words in r.json["error"]["message"], r.json
+
+
 def test_health_and_models_after_load(client):
     complete(client, max_tokens=1)
     health = client.get("/health").json

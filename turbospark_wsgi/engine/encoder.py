@@ -74,6 +74,7 @@ class Encoder:
         self.tokenizer.no_truncation()
         self.tokenizer.no_padding()
         self.pad_id = int(cfg.get("pad_token_id", 0) or 0)
+        self.special_span = _special_span(self.tokenizer)
         self._load_weights(os.path.join(path, "model.safetensors"))
 
     # ---- weights ---------------------------------------------------------------------------------
@@ -254,6 +255,14 @@ def _gelu(x):
     if z < 0:
         erf = -erf
     return np.float32(0.5) * x * (np.float32(1.0) + erf)
+
+
+def _special_span(tokenizer):
+    """(leading, trailing) special tokens the tokenizer adds around a text: (1, 1) for [CLS] ... [SEP]."""
+    mask = tokenizer.encode("a", add_special_tokens=True).special_tokens_mask
+    head = next((i for i, m in enumerate(mask) if not m), len(mask))
+    tail = next((i for i, m in enumerate(reversed(mask)) if not m), 0)
+    return head, tail
 
 
 # ---- the directory's own declarations ------------------------------------------------------------

@@ -62,6 +62,15 @@ def opt_int(doc, name, default=None, lo=None, hi=None):
     return value
 
 
+def truncate_prompt_tokens(doc, name="truncate_prompt_tokens"):
+    """vLLM's `truncate_prompt_tokens`: None (nothing is cut), -1 (cut to the model's limit) or k >= 1
+    (keep the last k tokens); the service checks it against the model's limit."""
+    value = opt_int(doc, name, None, lo=-1)
+    if value == 0:
+        raise InvalidRequest(f"'{name}' must be -1 (the model's limit) or at least 1, got 0", param=name)
+    return value
+
+
 def opt_number(doc, name, default=None, lo=None, hi=None):
     value = doc.get(name)
     if value is None:

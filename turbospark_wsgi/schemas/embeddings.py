@@ -1,7 +1,7 @@
 """POST /v1/embeddings: the request body in, the OpenAI list of embeddings out.
 
     {"input": "text" | ["text", ...] | [id, ...] | [[id, ...], ...], "model"?,
-     "encoding_format"?: "float" | "base64", "dimensions"?, "user"?}
+     "encoding_format"?: "float" | "base64", "dimensions"?, "user"?, "truncate_prompt_tokens"?}
     -> {"object": "list", "data": [{"object": "embedding", "index": i, "embedding": [...] | "base64"}],
         "model": ..., "usage": {"prompt_tokens": N, "total_tokens": N}}
 
@@ -12,7 +12,7 @@ import struct
 
 from ..errors import InvalidRequest
 from ..service import EmbeddingRequest
-from .common import expect_object, is_int, opt_int, opt_str, type_name
+from .common import expect_object, is_int, opt_int, opt_str, truncate_prompt_tokens, type_name
 from .openai import TOKEN_ID_LIMIT, model_name
 
 ENCODING_FORMATS = ("float", "base64")
@@ -30,7 +30,8 @@ def parse_embeddings(doc, max_inputs):
     dimensions = opt_int(doc, "dimensions", None, lo=1, hi=TOKEN_ID_LIMIT)
     opt_str(doc, "user", None, max_len=4096)
     texts, ids = _inputs(doc.get("input"), max_inputs)
-    return EmbeddingRequest(model=model, texts=texts, ids=ids, dimensions=dimensions), fmt
+    return EmbeddingRequest(model=model, texts=texts, ids=ids, dimensions=dimensions,
+                            truncate=truncate_prompt_tokens(doc)), fmt
 
 
 def _inputs(value, max_inputs):

@@ -9,7 +9,7 @@ from ..engine import SamplingParams
 from ..errors import InvalidRequest
 from ..service import ChoiceResult, Finished, GenerationRequest, KeepAlive, TextDelta
 from .common import (expect_object, is_int, logit_bias, opt_bool, opt_int, opt_number, opt_str, seed_value,
-                     stop_strings, type_name)
+                     stop_strings, truncate_prompt_tokens, type_name)
 
 DEGRADATION_HEADER = "x-anyllm-degradation"
 MAX_TOKENS_LIMIT = 2 ** 31 - 1
@@ -62,7 +62,8 @@ def parse_completion(doc, max_prompts=MAX_PROMPTS):
                             prompts=prompts if one is None else None,
                             add_special=add_special(doc), max_tokens=max_tokens, params=params,
                             stream=stream, include_usage=stream and _include_usage(doc),
-                            echo=echo, logprobs=logprobs, n=n, best_of=best_of)
+                            echo=echo, logprobs=logprobs, n=n, best_of=best_of,
+                            truncate_prompt_tokens=truncate_prompt_tokens(doc))
     return req, completion_degradations(doc)
 
 

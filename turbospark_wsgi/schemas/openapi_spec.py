@@ -32,6 +32,8 @@ _SAMPLING = {
 
 _USAGE = {"type": "object", "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
           "properties": {"prompt_tokens": _INT, "completion_tokens": _INT, "total_tokens": _INT}}
+_TRUNCATE = {"type": "integer", "minimum": -1, "not": {"const": 0},
+             "description": "keep the last N tokens of each prompt or input (-1: the model's limit; vLLM's)"}
 
 _SCHEMAS = {
     "OpenAIError": {"type": "object", "required": ["error"], "properties": {"error": {
@@ -50,7 +52,8 @@ _SCHEMAS = {
         add_special_tokens=_BOOL, add_special=_BOOL,
         max_tokens={"type": "integer", "minimum": 0, "description": "0 only with echo (score the prompt)"},
         n={"type": "integer", "minimum": 1, "maximum": 20}, best_of={"type": "integer", "minimum": 1, "maximum": 20},
-        logprobs={"type": "integer", "minimum": 0, "maximum": 20}, echo=_BOOL)},
+        logprobs={"type": "integer", "minimum": 0, "maximum": 20}, echo=_BOOL,
+        truncate_prompt_tokens=_TRUNCATE)},
     "Completion": {"type": "object", "required": ["id", "object", "created", "model", "choices"],
                    "properties": {"id": _STR, "object": {"const": "text_completion"}, "created": _INT,
                                   "model": _STR, "usage": _USAGE, "choices": {"type": "array", "items": {
@@ -153,7 +156,7 @@ _SCHEMAS = {
     "EmbeddingRequest": {"type": "object", "required": ["input"], "properties": {
         "model": _STR, "user": _STR, "dimensions": {"type": "integer", "minimum": 1,
                                                     "description": "only for models trained for it (Matryoshka)"},
-        "encoding_format": {"enum": ["float", "base64"]},
+        "encoding_format": {"enum": ["float", "base64"]}, "truncate_prompt_tokens": _TRUNCATE,
         "input": {"oneOf": [{"type": "string", "minLength": 1},
                             {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1},
                             {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1},
