@@ -34,10 +34,10 @@ FAMILIES = {
               "attention_bias": False, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6},
     "phi3": {"architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "partial_rotary_factor": 0.5,
              "pad_token_id": 0, "sliding_window": None},
-    # six layers: five local (rotary base 10 000) and one global (1 000 000), as llama.cpp's pattern has it;
-    # the window (128) is longer than any sequence here: windowed attention itself is not supported
+    # six layers: five local (rotary base 10 000, a window of 8 positions, far shorter than the prompts
+    # and replies here) and one global (1 000 000), as llama.cpp's pattern has it
     "gemma3": {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "num_hidden_layers": 6,
-               "head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 128, "rms_norm_eps": 1e-6,
+               "head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 8, "rms_norm_eps": 1e-6,
                "hidden_activation": "gelu_pytorch_tanh", "pad_token_id": 0, "final_logit_softcapping": None,
                "rope_theta": 1000000.0,
                "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
@@ -228,7 +228,7 @@ def test_gemma3_legacy_config_and_softcap_match_transformers(tmp_path):
     loaded = load_model(tmp_path / "g", device="cpu")
     c = loaded.config
     assert (c.local_layers, c.rope_local_theta, c.rope_theta) == ((0, 1, 2, 3, 4), 10000.0, 1000000.0)
-    assert (c.query_scalar, c.final_softcap, c.max_seq_len) == (24.0, 5.0, 128)
+    assert (c.query_scalar, c.final_softcap, c.max_seq_len, c.sliding_window) == (24.0, 5.0, 256, 8)
     reference = transformers.AutoModelForCausalLM.from_pretrained(
         tmp_path / "g", dtype=torch.float32, attn_implementation="eager").eval()
     assert reference.config.final_logit_softcapping == 5.0
@@ -244,17 +244,69 @@ def test_gemma3_local_layers_use_their_own_rotary_base(tmp_path):
     assert np.abs(model.forward(parity.PROMPT, model.new_cache(), logits="all") - ours).max() > 0.01
 
 
-@pytest.mark.parametrize("window", [None, 64])
+@pytest.mark.parametrize("window", [None, 8])
 def test_mistral_dir_matches_transformers(tmp_path, window):
-    """MistralForCausalLM runs as llama; a sliding window caps the context (attention stays global)."""
+    """MistralForCausalLM runs as llama; its sliding window applies to every layer, the context
+    stays the model's whole length."""
     cfg = tiny.hf_config(2, False, architectures=["MistralForCausalLM"], model_type="mistral",
                          sliding_window=window)
     tiny.write_hf_dir(tmp_path / "m", cfg, tiny.random_state(cfg))
     loaded = load_model(tmp_path / "m", device="cpu")
-    assert loaded.config.max_seq_len == (window or cfg["max_position_embeddings"])
+    c = loaded.config
+    assert (c.max_seq_len, c.sliding_window) == (cfg["max_position_embeddings"], window or 0)
+    assert c.local_layers == ((0, 1) if window else ())
     reference = transformers.AutoModelForCausalLM.from_pretrained(
         tmp_path / "m", dtype=torch.float32, attn_implementation="eager").eval()
     parity.assert_parity(loaded, reference)
+
+
+@pytest.mark.parametrize("family, extra, local", [
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 6, "max_window_layers": 1}, (1,)),   # layers >= 1
+    ("qwen3", {"use_sliding_window": True, "sliding_window": 6, "max_window_layers": 0}, (0, 1)),
+    ("qwen2", {"use_sliding_window": False, "sliding_window": 6}, ()),                            # off
+    ("phi3", {"sliding_window": 7}, (0, 1)),
+])
+def test_windowed_dirs_match_transformers(tmp_path, family, extra, local):
+    """Qwen's window on the layers from max_window_layers on (when use_sliding_window), Phi-3's on all."""
+    cfg = {**family_config(family), **extra}
+    tiny.write_hf_dir(tmp_path / "m", cfg, family_state(family, cfg))
+    loaded = load_model(tmp_path / "m", device="cpu")
+    assert (loaded.config.local_layers, loaded.config.sliding_window) == (local, extra["sliding_window"] if local else 0)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "m", dtype=torch.float32, attn_implementation="eager").eval()
+    parity.assert_parity(loaded, reference)
+
+
+def test_windowed_phi3_gguf_matches_transformers(tmp_path):
+    """A GGUF attention.sliding_window (outside Gemma 3's pattern) windows every layer."""
+    cfg = {**family_config("phi3"), "sliding_window": 7}
+    held = write_family_gguf(tmp_path / "p.gguf", "phi3", cfg, family_state("phi3", cfg), "Q8_0")
+    loaded = load_model(tmp_path / "p.gguf", device="cpu")
+    assert (loaded.config.local_layers, loaded.config.sliding_window) == ((0, 1), 7)
+    parity.assert_parity(loaded, hf_model(cfg, held))
+
+
+def test_gemma3_window_on_the_blocked_attention_path(tmp_path, monkeypatch):
+    """The attention the CuPy backend runs (aligned blocks, masks; here on numpy) windows like the
+    fused CPU kernel, on a prompt that crosses an attention block's end."""
+    from turbospark_wsgi.engine import model as model_mod
+    monkeypatch.setattr(model_mod, "ATTN_BLOCK", 16)
+    monkeypatch.setattr(model_mod.Transformer, "fused_attention", property(lambda self: False))
+    path, cfg, held = family_gguf(tmp_path, "gemma3")
+    loaded = load_model(path, device="cpu")
+    assert not loaded.model.fused_attention and loaded.config.local_layers == (0, 1, 2, 3, 4)
+    parity.assert_parity(loaded, hf_model(cfg, held), prompt=parity.PROMPT + parity.PROMPT[3:])
+
+
+def test_gemma3_window_matters(tmp_path):
+    """With the window removed the logits past the window move: the parity above is not vacuous."""
+    path, cfg, held = family_gguf(tmp_path, "gemma3")
+    model = load_model(path, device="cpu").model
+    ours = model.forward(parity.PROMPT, model.new_cache(), logits="all")
+    model._layer_window = [0] * len(model._layer_window)
+    full = model.forward(parity.PROMPT, model.new_cache(), logits="all")
+    w = cfg["sliding_window"]
+    assert np.array_equal(full[:w], ours[:w]) and np.abs(full[w:] - ours[w:]).max() > 0.01
 
 
 def test_biased_llama_projections_are_refused(tmp_path):

@@ -8,22 +8,28 @@ from turbospark_wsgi.engine.loader import load_model
 from turbospark_wsgi.engine.model import ATTN_BLOCK, rms_norm, rope, swiglu
 
 
-def naive_attention(q, keys, vals, pos):
-    """Per head, per query: softmax over visible keys (q already scaled). q [T, H, D], keys [L, G, D]."""
+def naive_attention(q, keys, vals, pos, window=0):
+    """Per head, per query: softmax over visible keys (q already scaled). q [T, H, D], keys [L, G, D].
+    With a window the query at position p sees keys max(0, p - window + 1)..p."""
     T, H, D = q.shape
     G = keys.shape[1]
     out = np.zeros((T, H, D))
     for t in range(T):
+        lo = max(0, pos + t - window + 1) if window else 0
         for h in range(H):
             kv = h // (H // G)
-            s = keys[:pos + t + 1, kv] @ q[t, h]
+            s = keys[lo:pos + t + 1, kv] @ q[t, h]
             p = np.exp(s - s.max())
-            out[t, h] = p @ vals[:pos + t + 1, kv] / p.sum()
+            out[t, h] = p @ vals[lo:pos + t + 1, kv] / p.sum()
     return out.reshape(T, H * D)
 
 
-@pytest.mark.parametrize("T, pos, H, G", [(1, 0, 4, 2), (1, 9, 6, 3), (300, 0, 4, 2), (140, 37, 6, 1), (5, 3, 4, 4)])
-def test_blocked_attention_matches_naive(tiny_gguf, T, pos, H, G):
+ATTENTION_CASES = [(1, 0, 4, 2, 0), (1, 9, 6, 3, 0), (300, 0, 4, 2, 0), (140, 37, 6, 1, 0), (5, 3, 4, 4, 0),
+                   (1, 9, 6, 3, 4), (300, 0, 4, 2, 50), (140, 37, 6, 1, 200), (150, 100, 4, 2, 1), (5, 3, 4, 4, 3)]
+
+
+@pytest.mark.parametrize("T, pos, H, G, window", ATTENTION_CASES)
+def test_blocked_attention_matches_naive(tiny_gguf, T, pos, H, G, window):
     rng = np.random.default_rng(T + pos)
     m = load_model(tiny_gguf().path).model
     q = rng.standard_normal((T, H, 8)).astype(np.float32)
@@ -31,10 +37,10 @@ def test_blocked_attention_matches_naive(tiny_gguf, T, pos, H, G):
     span = -(-(pos + T) // ATTN_BLOCK) * ATTN_BLOCK
     keys = rng.standard_normal((span, G, 8)).astype(np.float32)
     vals = rng.standard_normal((span, G, 8)).astype(np.float32)
-    want = naive_attention(q, keys, vals, pos)
-    assert np.abs(m._block_attention(q, keys, vals, pos) - want).max() < 1e-5
+    want = naive_attention(q, keys, vals, pos, window)
+    assert np.abs(m._block_attention(q, keys, vals, pos, window) - want).max() < 1e-5
     if T == 1:
-        assert np.abs(m._attention(q, keys[:pos + 1], vals[:pos + 1], pos) - want).max() < 1e-5
+        assert np.abs(m._attention(q, keys[:pos + 1], vals[:pos + 1], pos, window) - want).max() < 1e-5
 
 
 def test_block_attention_rows_do_not_depend_on_the_rows_beside_them(tiny_gguf):
@@ -133,8 +139,8 @@ def test_forward_refuses_overflow_and_empty_input(tiny_gguf):
     assert m.forward([1, 2], cache, logits="all").shape == (2, m.cfg.vocab_size)
 
 
-@pytest.mark.parametrize("T, pos, H, G", [(1, 0, 4, 2), (1, 9, 6, 3), (300, 0, 4, 2), (140, 37, 6, 1), (5, 3, 4, 4)])
-def test_fused_attention_matches_naive_and_its_rows_depend_only_on_their_position(T, pos, H, G):
+@pytest.mark.parametrize("T, pos, H, G, window", ATTENTION_CASES)
+def test_fused_attention_matches_naive_and_its_rows_depend_only_on_their_position(T, pos, H, G, window):
     from turbospark_wsgi.engine import kernels_cpu
     if not kernels_cpu.AVAILABLE:
         pytest.skip("needs numba")
@@ -142,7 +148,7 @@ def test_fused_attention_matches_naive_and_its_rows_depend_only_on_their_positio
     q = rng.standard_normal((T, H, 8)).astype(np.float32)
     keys = rng.standard_normal((pos + T + 7, G, 8)).astype(np.float32)   # keys past the last row: never read
     vals = rng.standard_normal((pos + T + 7, G, 8)).astype(np.float32)
-    whole = kernels_cpu.attend(q, keys, vals, pos)
-    assert np.abs(whole - naive_attention(q, keys, vals, pos)).max() < 1e-5
+    whole = kernels_cpu.attend(q, keys, vals, pos, window)
+    assert np.abs(whole - naive_attention(q, keys, vals, pos, window)).max() < 1e-5
     for a, b in [(0, 1), (T // 3, T // 2 + 1), (T - 1, T)]:
-        assert np.array_equal(kernels_cpu.attend(q[a:b], keys, vals, pos + a), whole[a:b]), (a, b)
+        assert np.array_equal(kernels_cpu.attend(q[a:b], keys, vals, pos + a, window), whole[a:b]), (a, b)

@@ -41,8 +41,9 @@ class ModelConfig:
     embed_scale: bool = False      # token embeddings times sqrt(dim)
     query_scalar: float = 0.0      # attention scale 1/sqrt(query_scalar); 0: head_dim
     final_softcap: float = 0.0     # logits -> cap * tanh(logits / cap); 0: none
+    sliding_window: int = 0        # keys a local layer's query reads: positions p-window+1..p; 0: none
     rope_local_theta: float = 0.0  # rotary base of the local (sliding-window) layers; 0: as global
-    local_layers: tuple = ()       # indices of the sliding-window layers (their rotary base differs)
+    local_layers: tuple = ()       # indices of the sliding-window layers (Gemma 3: their rotary base differs)
 
     def __post_init__(self):
         if self.arch not in ARCH_FEATURES:
@@ -53,6 +54,10 @@ class ModelConfig:
             self.head_dim = self.dim // self.n_head
         if not self.rope_dim:
             self.rope_dim = self.head_dim
+
+    def layer_window(self, i):
+        """The sliding window of layer i (0: the layer attends to every earlier position)."""
+        return self.sliding_window if i in self.local_layers else 0
 
     @property
     def kv_mul(self):              # query heads per KV head

@@ -349,10 +349,6 @@ def model_config_from_gguf(metadata):
     if not vocab:
         raise ValueError(f"GGUF metadata lacks '{arch}.vocab_size' and tokenizer.ggml.tokens")
     max_seq = count("context_length", 2048)
-    window = count("attention.sliding_window", 0, least=0)
-    if window:
-        # NOTE(window): attention here is global; capping the context at the window keeps it exact
-        max_seq = min(max_seq, window)
     cfg = ModelConfig(
         arch=_ARCHITECTURES[arch], n_layer=count("block_count"), dim=count("embedding_length"),
         n_head=n_head, n_kv_head=n_kv_head, ffn_dim=count("feed_forward_length"), vocab_size=vocab,
@@ -360,10 +356,13 @@ def model_config_from_gguf(metadata):
         norm_eps=number("attention.layer_norm_rms_epsilon", 1e-5),
         head_dim=count("attention.key_length", 0, least=0), rope_dim=count("rope.dimension_count", 0, least=0),
         rope_scaling=_gguf_rope_scaling(key, number, count), name=str(metadata.get("general.name", "")),
-        final_softcap=number("final_logit_softcapping", 0.0))
+        final_softcap=number("final_logit_softcapping", 0.0),
+        sliding_window=count("attention.sliding_window", 0, least=0))
     if cfg.arch == "gemma3":
         cfg.local_layers = tuple(i for i in range(cfg.n_layer) if (i + 1) % _GEMMA3_PATTERN)
         cfg.rope_local_theta = _GEMMA3_LOCAL_THETA
+    elif cfg.sliding_window:      # Mistral, Phi-3: every layer is windowed
+        cfg.local_layers = tuple(range(cfg.n_layer))
     if cfg.head_dim < 1 or cfg.rope_dim > cfg.head_dim or cfg.rope_dim % 2:
         raise ValueError(f"GGUF metadata gives head size {cfg.head_dim} and rotary size {cfg.rope_dim}: "
                          "the rotary size must be even and at most the head size")

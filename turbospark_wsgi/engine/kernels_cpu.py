@@ -157,28 +157,30 @@ if AVAILABLE:
 
 
     @njit(**_JIT)
-    def _attend(q, keys, vals, pos0, out):   # pragma: no cover - compiled
+    def _attend(q, keys, vals, pos0, window, out):   # pragma: no cover - compiled
         # q [R, H, D] pre-scaled; keys, vals [n, G, D] (n >= pos0 + R); out [R, H, D].
-        # Row r sits at position p = pos0 + r and reads keys 0..p; query head h reads KV head h // M.
+        # Row r sits at position p = pos0 + r and reads keys lo..p, lo = max(0, p - window + 1)
+        # (window 0: lo = 0); query head h reads KV head h // M.
         R, H, D = q.shape
         M = H // keys.shape[1]
         for rh in prange(R * H):
             r, h = rh // H, rh % H
             g, p = h // M, pos0 + rh // H
+            lo = max(0, p - window + 1) if window > 0 else 0
             qr, o = q[r, h], out[r, h]
-            s = np.empty(p + 1, np.float32)
+            s = np.empty(p + 1 - lo, np.float32)
             best = np.float32(-np.inf)
-            for j in range(p + 1):
+            for j in range(lo, p + 1):
                 kj = keys[j, g]
                 acc = np.float32(0)
                 for d in range(D):
                     acc += qr[d] * kj[d]
-                s[j] = acc
+                s[j - lo] = acc
                 best = max(best, acc)
             o[:] = 0
             total = np.float32(0)
-            for j in range(p + 1):
-                e = np.float32(np.exp(s[j] - best))
+            for j in range(lo, p + 1):
+                e = np.float32(np.exp(s[j - lo] - best))
                 total += e
                 vj = vals[j, g]
                 for d in range(D):
@@ -187,16 +189,17 @@ if AVAILABLE:
                 o[d] /= total
 
 
-def attend(q, keys, vals, pos):
+def attend(q, keys, vals, pos, window=0):
     """Causal attention of rows q `[T, H, D]` (pre-scaled) at positions pos.. over keys/values
     `[n, G, D]` (n >= pos + T; query head h reads KV head h // (H/G)) -> `[T, H*D]` float32.
+    With a sliding `window` the row at position p reads only keys max(0, p - window + 1)..p.
 
     NOTE(exact-prefix): each row is computed on its own, from its position and the keys up to it,
     by the same code whatever the call holds: a position gets the same bits in a prefill of any
     cut and in a decode step, so cached K/V can be reused token by token, a reply's included."""
     T, H, D = q.shape
     out = np.empty((T, H, D), np.float32)
-    _attend(np.ascontiguousarray(q, dtype=np.float32), keys, vals, pos, out)
+    _attend(np.ascontiguousarray(q, dtype=np.float32), keys, vals, pos, int(window), out)
     return out.reshape(T, H * D)
 
 
@@ -339,5 +342,5 @@ def warmup():
             qmatmul(rows, w, path="gemv")
         qmatmul(x, w, path="blas")
     kv = rng.standard_normal((4, 1, 8)).astype(np.float32)
-    attend(rng.standard_normal((2, 2, 8)).astype(np.float32), kv, kv, 1)
+    attend(rng.standard_normal((2, 2, 8)).astype(np.float32), kv, kv, 1, window=2)
     return time.perf_counter() - t0

@@ -26,6 +26,7 @@ class Transformer:
         self._inv_freqs = [self.inv_freq] + ([rope_inv_freq(cfg, theta=cfg.rope_local_theta)]
                                              if cfg.rope_local_theta else [])
         self._layer_rope = [int(i in cfg.local_layers and len(self._inv_freqs) > 1) for i in range(cfg.n_layer)]
+        self._layer_window = [cfg.layer_window(i) for i in range(cfg.n_layer)]   # 0: global attention
         self._tables = {}
         self._masks = {}
         self._rows_exact = None
@@ -37,15 +38,15 @@ class Transformer:
         backend with numba), the same for prompt rows and decode rows."""
         return self.xp is np and kernels_cpu.AVAILABLE
 
-    def _prompt_attention(self, q, keys, vals, pos):
+    def _prompt_attention(self, q, keys, vals, pos, window):
         if self.fused_attention:
-            return kernels_cpu.attend(q, keys, vals, pos)
-        return self._block_attention(q, keys, vals, pos)
+            return kernels_cpu.attend(q, keys, vals, pos, window)
+        return self._block_attention(q, keys, vals, pos, window)
 
-    def _decode_attention(self, q, keys, vals, pos):
+    def _decode_attention(self, q, keys, vals, pos, window):
         if self.fused_attention:
-            return kernels_cpu.attend(q, keys, vals, pos)
-        return self._attention(q, keys, vals, pos)
+            return kernels_cpu.attend(q, keys, vals, pos, window)
+        return self._attention(q, keys, vals, pos, window)
 
     @property
     def rows_exact(self):
@@ -95,7 +96,7 @@ class Transformer:
             qkv = self._heads(mm(h, lw.wqkv, xp), lw, T)                # [T, H+2G, D]  q|k|v heads
             qk = rope(qkv[:, :H + G], *ropes[self._layer_rope[i]], c.rope_dim, xp)   # [T, H+G, D]
             keys, vals = cache.update(i, pos, qk[:, H:], qkv[:, H + G:], span)  # [<=span, G, D] each
-            att = self._prompt_attention(qk[:, :H], keys, vals, pos)    # [T, H*D]
+            att = self._prompt_attention(qk[:, :H], keys, vals, pos, self._layer_window[i])   # [T, H*D]
             x += self._post(mm(att, lw.wo, xp), lw.post_attn_norm)      # [T, dim]  residual
             h = rms_norm(x, lw.ffn_norm, c.norm_eps, xp)                # [T, dim]
             g = self._gate(mm(h, lw.w_gate_up, xp))                     # [T, ffn_dim]
@@ -129,7 +130,7 @@ class Transformer:
             att = xp.empty((B, 1, H * D), dtype=x.dtype)                # [B, 1, H*D]
             for b, cache in enumerate(caches):
                 keys, vals = cache.update(i, pos[b], qk[b:b + 1, H:], qkv[b:b + 1, H + G:])
-                att[b] = self._decode_attention(qk[b:b + 1, :H], keys, vals, pos[b])
+                att[b] = self._decode_attention(qk[b:b + 1, :H], keys, vals, pos[b], self._layer_window[i])
             x += self._post(att @ lw.wo, lw.post_attn_norm)             # [B, 1, dim]  residual
             h = rms_norm(x, lw.ffn_norm, c.norm_eps, xp)                # [B, 1, dim]
             x += self._post(self._gate(h @ lw.w_gate_up) @ lw.w_down, lw.post_ffn_norm)   # [B, 1, dim]
@@ -181,11 +182,14 @@ class Transformer:
             x = x * np.float32(np.sqrt(self.cfg.dim))                   # Gemma: times sqrt(dim)
         return x
 
-    def _attention(self, q, keys, vals, pos):
+    def _attention(self, q, keys, vals, pos, window=0):
         """Attention of one decode row q `[1, H, D]` (pre-scaled) at position pos over keys/values
-        `[pos+1, G, D]`. Query head h reads KV head h // kv_mul. Returns `[1, H*D]`."""
+        `[pos+1, G, D]` (with a sliding `window`, only the last `window` of them). Query head h
+        reads KV head h // kv_mul. Returns `[1, H*D]`."""
         H, D = q.shape[1:]
         G = keys.shape[1]
+        lo = max(0, pos - window + 1) if window else 0
+        keys, vals = keys[lo:pos + 1], vals[lo:pos + 1]
         qg = q.reshape(G, H // G, D)                                    # [G, M, D]
         s = qg @ keys.transpose(1, 2, 0)                                # [G, M, pos+1]  scores
         s -= s.max(axis=-1, keepdims=True)
@@ -194,13 +198,15 @@ class Transformer:
         o /= s.sum(axis=-1, keepdims=True)
         return o.reshape(1, H * D)
 
-    def _block_attention(self, q, keys, vals, pos):
+    def _block_attention(self, q, keys, vals, pos, window=0):
         """Causal attention of prompt rows q `[T, H, D]` (pre-scaled) at positions pos.. over
         keys/values `[n, G, D]` (n: at least the end of the last row's block). Returns `[T, H*D]`.
+        With a sliding `window` the row at position p sees keys max(0, p - window + 1)..p only.
 
         Rows are taken in blocks aligned to multiples of ATTN_BLOCK; every row of a block reads the
-        keys up to the block's end, the ones after itself masked. So a row's numbers depend on its
-        position only, not on which other rows came in the same call (see `rows_exact`)."""
+        keys up to the block's end (from the first key the block's window reaches), the ones it
+        must not see masked. So a row's numbers depend on its position only, not on which other
+        rows came in the same call (see `rows_exact`)."""
         xp = self.xp
         T, H, D = q.shape
         G = keys.shape[1]
@@ -215,12 +221,16 @@ class Transformer:
         for start in range(first, pos + T, ATTN_BLOCK):
             r0, r1 = max(start, pos) - pos, min(start + ATTN_BLOCK, pos + T) - pos   # rows in this call
             n = min(start + ATTN_BLOCK, keys.shape[0])                  # keys read by this block
-            s = rows_matmul(qg[:, r0 * M:r1 * M], kt[:, :, :n], xp)     # [G, rows, n]  scores
+            lo = max(0, start - window + 1) if window else 0            # from the block's first window
+            s = rows_matmul(qg[:, r0 * M:r1 * M], kt[:, :, lo:n], xp)   # [G, rows, n - lo]  scores
             i0 = pos + r0 - start                                       # first row's place in the block
-            s[:, :, start:n] += self._causal_mask(ATTN_BLOCK, M)[i0 * M:(i0 + r1 - r0) * M, :n - start]
+            if window:
+                s += self._window_mask(pos + r0, r1 - r0, lo, n, window, M)
+            else:
+                s[:, :, start:n] += self._causal_mask(ATTN_BLOCK, M)[i0 * M:(i0 + r1 - r0) * M, :n - start]
             s -= s.max(axis=-1, keepdims=True)
             xp.exp(s, out=s)
-            o = rows_matmul(s, vg[:, :n], xp)                           # [G, rows, D]
+            o = rows_matmul(s, vg[:, lo:n], xp)                         # [G, rows, D]
             o /= s.sum(axis=-1, keepdims=True)
             out[:, r0 * M:r1 * M] = o
         return out.reshape(G, T, M, D).transpose(1, 0, 2, 3).reshape(T, H * D)
@@ -232,6 +242,14 @@ class Transformer:
             mask = np.where(np.arange(t)[None, :] > i, -np.inf, 0.0).astype(np.float32)
             self._masks[(t, m)] = self.xp.asarray(mask)
         return self._masks[(t, m)]
+
+    def _window_mask(self, p0, rows, lo, n, window, m):
+        """[rows*m, n-lo] additive mask for rows at positions p0.. (each repeated for m heads) over
+        keys lo..n-1: row p sees keys p - window < j <= p."""
+        xp = self.xp
+        p = xp.repeat(xp.arange(p0, p0 + rows), m)[:, None]
+        j = xp.arange(lo, n)[None, :]
+        return xp.where((j > p) | (j <= p - window), np.float32(-np.inf), np.float32(0.0)).astype(np.float32)
 
     def _rope_table(self, n, kind=0):
         """cos/sin `[n, 1, rope_dim/2]` on the device for rotary table `kind` (0 global, 1 local),

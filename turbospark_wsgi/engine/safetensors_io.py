@@ -204,9 +204,6 @@ def model_config_from_hf(config):
         raise ValueError(f"config.json num_key_value_heads {n_kv_head} does not divide "
                          f"num_attention_heads {n_head}")
     max_seq = count("max_position_embeddings", 2048)
-    if config.get("sliding_window") and config.get("use_sliding_window", True):   # Qwen: off unless asked
-        # NOTE(window): attention here is global; capping the context at the window keeps it exact
-        max_seq = min(max_seq, count("sliding_window"))
     head_dim = count("head_dim", 0, least=0) or dim // n_head
     partial = number(rope, "partial_rotary_factor", number(config, "partial_rotary_factor", 1.0), 1e-9)
     if partial > 1.0:
@@ -216,7 +213,7 @@ def model_config_from_hf(config):
         raise ValueError(f"config.json partial_rotary_factor {partial} gives the odd rotary size {rope_dim}")
     name = config.get("_name_or_path", "")
     extra = _gemma3_fields(config, local_rope, number) if arch == "gemma3" else {}
-    return ModelConfig(**extra,
+    return ModelConfig(**extra, **_window_fields(config, arch, n_layer, count),
         arch=arch, n_layer=n_layer, dim=dim, n_head=n_head, n_kv_head=n_kv_head, ffn_dim=ffn_dim,
         vocab_size=vocab, max_seq_len=max_seq,
         rope_theta=number(rope, "rope_theta", number(config, "rope_theta", 10000.0, 1e-9), 1e-9),
@@ -225,19 +222,33 @@ def model_config_from_hf(config):
         name=name if isinstance(name, str) else "")
 
 
-def _gemma3_fields(config, local_rope, number):
-    """Gemma 3's ModelConfig fields: local layers (from layer_types or the every-6th-is-global
-    pattern) and their rotary base, query_pre_attn_scalar, final logit soft-capping."""
-    if config.get("attn_logit_softcapping"):
-        raise ValueError("attention logit soft-capping (attn_logit_softcapping) is not supported")
-    n = config["num_hidden_layers"]
+def _window_fields(config, arch, n, count):
+    """The sliding window and the layers it applies to, as transformers reads them: `layer_types`
+    where the file has it, else Gemma 3's every-6th-layer-is-global pattern, Qwen's layers from
+    max_window_layers on, every layer for the others (Mistral, Phi-3). Qwen's window is off unless
+    use_sliding_window is set. Gemma 3 keeps its local layers without a window (their rotary base)."""
+    window = count("sliding_window") if config.get("sliding_window") and config.get("use_sliding_window", True) else 0
     kinds = config.get("layer_types")
     if not isinstance(kinds, list) or len(kinds) != n:
-        pattern = config.get("sliding_window_pattern", 6)
-        kinds = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(n)]
+        if arch == "gemma3":
+            pattern = count("sliding_window_pattern", 6)
+            kinds = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(n)]
+        elif arch in ("qwen2", "qwen3"):
+            first = count("max_window_layers", 28, least=0)
+            kinds = ["sliding_attention" if i >= first else "full_attention" for i in range(n)]
+        else:
+            kinds = ["sliding_attention"] * n
+    local = tuple(i for i, k in enumerate(kinds) if k == "sliding_attention")
+    return {"sliding_window": window, "local_layers": local if window or arch == "gemma3" else ()}
+
+
+def _gemma3_fields(config, local_rope, number):
+    """Gemma 3's ModelConfig fields: the local layers' rotary base, query_pre_attn_scalar, final
+    logit soft-capping."""
+    if config.get("attn_logit_softcapping"):
+        raise ValueError("attention logit soft-capping (attn_logit_softcapping) is not supported")
     local_theta = number(local_rope or {}, "rope_theta", number(config, "rope_local_base_freq", 10000.0, 1e-9), 1e-9)
-    return {"local_layers": tuple(i for i, k in enumerate(kinds) if k == "sliding_attention"),
-            "rope_local_theta": local_theta,
+    return {"rope_local_theta": local_theta,
             "query_scalar": number(config, "query_pre_attn_scalar", 0.0) if config.get("query_pre_attn_scalar") else 0.0,
             "final_softcap": number(config, "final_logit_softcapping", 0.0) if config.get("final_logit_softcapping") else 0.0}
 
