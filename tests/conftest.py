@@ -2,6 +2,7 @@
 
 Importable without torch, numpy or a model file.
 """
+import math
 import os
 import threading
 import time
@@ -10,25 +11,43 @@ from types import SimpleNamespace
 import pytest
 
 from turbospark_wsgi.config import Config
-from turbospark_wsgi.engine import Finish, Prefill, Token
+from turbospark_wsgi.engine import Finish, Prefill, Scores, Token
 from turbospark_wsgi.registry import Registry
 from turbospark_wsgi.service import Service
 
 BOS, EOS, OFFSET = 1, 2, 3          # token id = byte + OFFSET
 
 
+class FakeTokenizer:
+    """The byte vocabulary of FakeEngine: ids below OFFSET are special (BOS, EOS), the others bytes."""
+
+    bos_token, eos_token = "<s>", "</s>"
+    _special = {BOS: bos_token, EOS: eos_token}
+
+    def id_to_piece(self, token_id):
+        return self._special.get(token_id) or self.token_bytes(token_id).decode("latin-1") or None
+
+    def is_special(self, token_id):
+        return token_id < OFFSET
+
+    def token_bytes(self, token_id):
+        return bytes([token_id - OFFSET]) if OFFSET <= token_id < 256 + OFFSET else b""
+
+
 class FakeEngine:
-    """A byte-level stand-in for `Engine`: replies with `reply`, one byte per decode step.
+    """A byte-level stand-in for `Engine` (engine.protocol.TextEngine, every member): replies with
+    `reply`, one byte per decode step; scores every prompt token as a uniform model would.
 
     Knobs: `step_delay` (s per step), `gate` (a threading.Event every step waits for),
     `fail_at` (step index that raises), `prefill_delay` (s per prefill chunk), `prefill_chunks`.
     Records every run in `runs` and flags overlapping generations in `overlaps`.
     """
 
+    kind = "generation"
     backend = "fake"
     backend_reason = "test double"
     add_bos = True                  # the model's rule for raw text (Engine.add_bos)
-    tokenizer = SimpleNamespace(bos_token="<s>", eos_token="</s>")    # what /tokenizer_info reads
+    tokenizer = FakeTokenizer()
 
     def __init__(self, name="fake", reply="Hello world", max_context=64, step_delay=0.0,
                  prefill_delay=0.0, prefill_chunks=1, gate=None, fail_at=None):
@@ -36,9 +55,10 @@ class FakeEngine:
         self.reply = reply
         self.max_context = max_context
         self.config = SimpleNamespace(vocab_size=256 + OFFSET, max_seq_len=max_context)
+        self.template = SimpleNamespace(source="")     # tests set a real template's source for the parsers
         self.step_delay, self.prefill_delay, self.prefill_chunks = step_delay, prefill_delay, prefill_chunks
         self.gate, self.fail_at = gate, fail_at
-        self.runs, self.overlaps, self.closed = [], 0, 0
+        self.runs, self.overlaps, self.closed, self.grammars = [], 0, 0, []
         self._active = 0
 
     def encode(self, text, add_bos):
@@ -47,14 +67,34 @@ class FakeEngine:
     def decode(self, ids, skip_special=True):
         return bytes(t - OFFSET for t in ids if t >= OFFSET).decode("utf-8", "replace")
 
-    def apply_chat_template(self, messages, tools=None, add_generation_prompt=True, **kwargs):
+    def render_chat(self, messages, tools=None, add_generation_prompt=True, template_kwargs=None):
         text = "".join(f"<{m['role']}>{m['content']}" for m in messages)
-        return self.encode(text + ("<assistant>" if add_generation_prompt else ""), add_bos=True)
+        return text + ("<assistant>" if add_generation_prompt else "")
+
+    def apply_chat_template(self, messages, tools=None, add_generation_prompt=True, template_kwargs=None):
+        return self.encode(self.render_chat(messages, tools, add_generation_prompt, template_kwargs), add_bos=True)
 
     def compile_grammar(self, grammar):
         """Accepts any spec and constrains nothing (the real engine's grammars are tested on it)."""
-        self.grammars = getattr(self, "grammars", []) + [grammar]
+        self.grammars.append(grammar)
         return SimpleNamespace(start=lambda: None)
+
+    def thinking_budget(self, budget, prompt_ids, open_tag="<think>", close_tag="</think>"):
+        """No constraint: the fake's reply is fixed (the real budget is tested on the engine)."""
+        return None
+
+    def score(self, prompt_ids, top=0, should_stop=None):
+        if not prompt_ids or len(prompt_ids) + 1 > self.max_context:
+            raise ValueError("bad prompt length")
+        lp, n = -math.log(self.config.vocab_size), len(prompt_ids)
+        yield Prefill(done=0, total=n)
+        yield Scores([(None, [])])
+        if (should_stop or (lambda: False))():
+            yield Finish("cancelled", prompt_tokens=n)
+            return
+        yield Prefill(done=n, total=n)
+        yield Scores([(lp, [(t, lp) for t in range(min(top, self.config.vocab_size))])] * (n - 1))
+        yield Finish("length", prompt_tokens=n)
 
     def generate(self, prompt_ids, params, should_stop=None):
         if not prompt_ids or len(prompt_ids) + 1 > self.max_context:

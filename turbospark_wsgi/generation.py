@@ -234,7 +234,7 @@ class Generation:
     def _constraint(self):
         if self._grammar is not None:       # NOTE(thinking): a grammar governs the whole reply
             return self._grammar.start()
-        if self._thinking_budget and hasattr(self._engine, "thinking_budget"):
+        if self._thinking_budget:
             return self._engine.thinking_budget(self._thinking_budget, self._ids)
         return None
 

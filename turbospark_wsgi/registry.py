@@ -170,7 +170,7 @@ class Registry:
             self._failures[key] = (mtime, _problem(e, key))
             metrics.record_model_load(model_id, False, time.monotonic() - started)
             raise ModelLoadError(_load_failed(name, self._failures[key][1])) from e
-        log.info("loaded %s from %s (backend %s)", name, key, getattr(engine, "backend", "?"))
+        log.info("loaded %s from %s (backend %s)", name, key, engine.backend)
         metrics.record_model_load(model_id, True, time.monotonic() - started)
         return engine
 

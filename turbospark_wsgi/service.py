@@ -166,9 +166,7 @@ class Service:
 
     def chat_template(self, model):
         """The chat template source of `model` (resolving it), for the chat output parsers."""
-        engine = self.registry.resolve(model)
-        template = getattr(engine, "template", None)
-        return getattr(template, "source", "") or ""
+        return _generating(self.registry.resolve(model), model or self.default_model).template.source
 
     def models(self):
         return self.registry.list()
@@ -181,8 +179,8 @@ class Service:
                 "queue": {"waiting": self.queue.depth, "running": self.queue.running,
                           "max_waiting": self.queue.max_waiting}}
         if engine is not None:
-            body["backend"] = getattr(engine, "backend", None)
-            body["backend_reason"] = getattr(engine, "backend_reason", None)
+            body["backend"] = engine.backend
+            body["backend_reason"] = engine.backend_reason
             body["max_context"] = self._context(engine)
         elif self._load_error:
             body["error"] = self._load_error
@@ -260,8 +258,6 @@ class Service:
     def _grammar(self, engine, req):
         if req.grammar is None:
             return None
-        if not hasattr(engine, "compile_grammar"):
-            raise InvalidRequest("this model cannot constrain its output", param=req.grammar_param)
         try:
             # NOTE(grammar): compiled on the compute thread: the first one builds the tokenizer tables.
             return compute.run(engine.compile_grammar, req.grammar)
@@ -276,11 +272,11 @@ class Service:
         lease = self.registry.acquire(req.model)
         try:
             engine = lease.engine
-            if getattr(engine, "kind", "generation") != "embedding":
+            if engine.kind != "embedding":
                 raise InvalidRequest(f"The model '{name}' is a generation model and does not embed; "
                                      f"use an embedding model (see GET /v1/models)", param="model",
                                      code="model_not_embedding")
-            if req.dimensions is not None and not getattr(engine, "matryoshka", False):
+            if req.dimensions is not None and not engine.matryoshka:
                 raise InvalidRequest(f"The model '{name}' does not support 'dimensions' (it declares no "
                                      f"Matryoshka training); it embeds in {engine.dim}", param="dimensions")
             if req.dimensions is not None and req.dimensions > engine.dim:
@@ -345,7 +341,7 @@ class TokenizerInfo:
 
 def _generating(engine, name):
     """`engine`, when it generates; a 400 naming the model's kind when it only embeds."""
-    if getattr(engine, "kind", "generation") == "embedding":
+    if engine.kind == "embedding":
         raise InvalidRequest(f"The model '{name}' is an embedding model and does not generate text; "
                              f"use it with /v1/embeddings", param="model", code="model_not_generative")
     return engine

@@ -299,6 +299,15 @@ def default_gguf():
 
 
 @pytest.fixture
+def minilm_dir():
+    """The pulled all-minilm-l6-v2 sentence-transformers directory (an embedding model)."""
+    path = MODELS_DIR / "all-minilm-l6-v2"
+    if not (path / "modules.json").is_file():
+        pytest.skip(f"{path} absent (turbospark pull all-minilm-l6-v2)")
+    return path
+
+
+@pytest.fixture
 def stories_gguf():
     found = [p for p in STORIES_CANDIDATES if p.exists()]
     if not found:

@@ -48,6 +48,7 @@ class Encoder:
 
     kind = "embedding"
     backend = "numpy"
+    backend_reason = "the encoder runs on the CPU"
 
     def __init__(self, path, name=None):
         self.path = str(path)

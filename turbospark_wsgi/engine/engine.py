@@ -26,6 +26,10 @@ def load_engine(path, device="auto", *, name=None, max_context=0, prefill_chunk=
 
 
 class Engine:
+    """A generation model (protocol.TextEngine)."""
+
+    kind = "generation"
+
     def __init__(self, loaded, tokenizer, *, name=None, max_context=0, prefill_chunk=DEFAULT_PREFILL_CHUNK,
                  max_batch=DEFAULT_MAX_BATCH):
         self.loaded = loaded

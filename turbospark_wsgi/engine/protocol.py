@@ -1,0 +1,90 @@
+"""What the rest of the package may use of a loaded model: `TextEngine` (Engine, generation) and
+`EmbeddingEngine` (encoder.Encoder, /v1/embeddings). A stand-in for either implements every member."""
+from typing import Any, Iterator, Protocol, Sequence, runtime_checkable
+
+
+class EngineTokenizer(Protocol):
+    """The tokenizer's vocabulary as the service reads it (tokenizer.Tokenizer)."""
+
+    @property
+    def bos_token(self) -> str | None: ...
+
+    @property
+    def eos_token(self) -> str | None: ...
+
+    def id_to_piece(self, token_id: int) -> str | None: ...
+
+    def is_special(self, token_id: int) -> bool: ...
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The raw bytes one token stands for (b"" for an id outside the vocabulary)."""
+
+
+class ModelConfig(Protocol):
+    vocab_size: int
+    max_seq_len: int
+
+
+class ChatTemplateSource(Protocol):
+    source: str             # the Jinja source, read by the chat output parsers
+
+
+@runtime_checkable
+class TextEngine(Protocol):
+    """A generation model. Each `next()` on `generate` or `score` runs at most one step, on the
+    caller's (compute) thread; `should_stop` is polled before each step and cancels the run."""
+
+    kind: str               # "generation"
+    name: str
+    backend: str            # "numpy" | "cupy"
+    backend_reason: str
+    max_context: int        # prompt + reply tokens
+    config: ModelConfig
+    tokenizer: EngineTokenizer
+    template: ChatTemplateSource
+
+    @property
+    def add_bos(self) -> bool:
+        """Whether the model puts BOS before a raw text prompt."""
+
+    def encode(self, text: str, add_bos: bool) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int], skip_special: bool = True) -> str: ...
+
+    def render_chat(self, messages, tools=None, add_generation_prompt=True, template_kwargs=None) -> str: ...
+
+    def apply_chat_template(self, messages, tools=None, add_generation_prompt=True,
+                            template_kwargs=None) -> list[int]: ...
+
+    def compile_grammar(self, grammar) -> Any:
+        """A compiled grammar (`.start()` -> a SamplingParams.constraint); ValueError when it cannot compile."""
+
+    def thinking_budget(self, budget: int, prompt_ids: Sequence[int], open_tag: str = "<think>",
+                        close_tag: str = "</think>") -> Any:
+        """A SamplingParams.constraint closing the think tag after `budget` reasoning tokens."""
+
+    def generate(self, prompt_ids: Sequence[int], params, should_stop=None) -> Iterator:
+        """Prefill progress, Tokens, then one Finish (engine.events)."""
+
+    def score(self, prompt_ids: Sequence[int], top: int = 0, should_stop=None) -> Iterator:
+        """Prefill progress and Scores for every prompt token (the first None), then one Finish."""
+
+
+@runtime_checkable
+class EmbeddingEngine(Protocol):
+    """A sentence-embedding model: token ids in, one vector per input out."""
+
+    kind: str               # "embedding"
+    name: str
+    backend: str
+    backend_reason: str
+    max_context: int        # the longest input, in tokens
+    max_tokens: int
+    vocab_size: int
+    dim: int
+    matryoshka: bool        # trained so that leading dimensions alone embed (OpenAI's `dimensions`)
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]: ...
+
+    def embed(self, sequences: Sequence[Sequence[int]], dimensions: int | None = None) -> Any:
+        """float32 [len(seqs), dimensions or dim]."""
