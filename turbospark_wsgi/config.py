@@ -32,7 +32,8 @@ class Config:
     request's first byte to the end of its headers), BODY_TIMEOUT (s to read a request body; over
     either: 408), RESPONSES_STORE_SIZE (stored /v1/responses per worker, 0 = none),
     RESPONSES_STORE_BYTES (their JSON, conversations included), RESPONSES_STORE_TTL (s, 0 = no limit),
-    WEB_UI (the chat page at `/`: 1 or 0).
+    WEB_UI (the chat page at `/`: 1 or 0), LIMITS_FILE (limits per API key, TOML or JSON; re-read on
+    SIGHUP), LIMITS_REDIS (redis://... : the limits' counters shared by every replica).
     """
 
     models_dir: str = os.path.expanduser("~/.cache/turbospark/models")
@@ -66,6 +67,8 @@ class Config:
     responses_store_bytes: int = 64 * 1024 * 1024
     responses_store_ttl: float = 3600.0
     web_ui: bool = True
+    limits_file: str = ""
+    limits_redis: str = ""
     load_default: bool = field(default=True)   # start loading the default model when the app is built
 
     def __post_init__(self):

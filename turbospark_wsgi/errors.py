@@ -1,4 +1,5 @@
 """The ApiError hierarchy: status, type, param and code for every refusal. No falcon here."""
+import math
 
 
 class ApiError(Exception):
@@ -86,6 +87,27 @@ class Overloaded(ApiError):
     def __init__(self, message, *, retry_after=1, **kw):
         super().__init__(message, **kw)
         self.headers.setdefault("Retry-After", str(int(retry_after)))
+
+
+class RateLimited(ApiError):
+    """This client is over one of its limits (TURBOSPARK_LIMITS_FILE): 429 with Retry-After.
+
+    `type` names the limit as OpenAI's bodies do ("requests" | "tokens"; "concurrency" is ours;
+    "insufficient_quota" for the daily quota, with that code)."""
+
+    status = 429
+    type = "requests"
+    anthropic_type = "rate_limit_error"
+    code = "rate_limit_exceeded"
+
+    def __init__(self, message, *, type="requests", retry_after=1.0, **kw):
+        super().__init__(message, **kw)
+        self.type = type
+        if type == "insufficient_quota":
+            self.code = type
+        self.headers.setdefault("Retry-After", str(max(1, math.ceil(retry_after))))
+        # NOTE(sdk): the openai and anthropic SDKs read retry-after-ms first, to the millisecond
+        self.headers.setdefault("retry-after-ms", str(max(1, math.ceil(retry_after * 1000))))
 
 
 class NotReady(ApiError):

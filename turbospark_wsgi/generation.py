@@ -137,6 +137,8 @@ class Generation:
         self._end_listed = req.messages is None   # completions list the end token's logprob
         self._steps = self._pending = None
         self._completion_tokens = 0
+        self._unaccounted = 0                     # tokens of the choice in flight, not yet in usage
+        self._on_token = []
         self._lp_pending = []                     # TokenLogprobs whose text is still held back
         self._quiet_since = time.monotonic()      # last time the consumer got an event
         self._cleaned = False
@@ -157,6 +159,15 @@ class Generation:
     def limit_time(self, seconds):
         """Ends generation with finish reason length once `seconds` (0: no limit) have passed since it started."""
         self._time_limit = seconds
+
+    def on_token(self, fn):
+        """Calls `fn()` on the consuming thread each time the engine produces a token."""
+        self._on_token.append(fn)
+
+    @property
+    def produced_tokens(self):
+        """Completion tokens generated so far, every choice and run counted (a cancelled one's too)."""
+        return (self.usage.completion_tokens if self.usage else 0) + self._unaccounted
 
     def close(self):
         try:
@@ -323,6 +334,9 @@ class Generation:
     def _translate(self, event, i, last):
         if isinstance(event, Token):
             self._completion_tokens += 1
+            self._unaccounted += 1
+            for fn in self._on_token:
+                fn()
             if event.logprob is not None:
                 self._lp_pending.append(self._entry(event.id, event.logprob, event.top_logprobs))
             if event.text:
@@ -358,6 +372,7 @@ class Generation:
         return out
 
     def _account(self, completion_tokens, cached_tokens):
+        self._unaccounted = 0
         if self.usage is None:
             self.usage = Usage(len(self._ids), completion_tokens, cached_tokens)
         else:
@@ -465,6 +480,14 @@ class PromptBatch:
     def limit_time(self, seconds):
         for gen in self._gens:
             gen.limit_time(seconds)
+
+    def on_token(self, fn):
+        for gen in self._gens:
+            gen.on_token(fn)
+
+    @property
+    def produced_tokens(self):
+        return sum(g.produced_tokens for g in self._gens)
 
     def close(self):
         try:

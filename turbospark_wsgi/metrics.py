@@ -41,6 +41,10 @@ PREFIX_HITS = Counter("turbospark_prefix_cache_hits", "Finished generations that
 CACHED_TOKENS = Counter("turbospark_prefix_cache_tokens", "Prompt tokens whose KV came from the prefix cache",
                         ["model"])
 TIME_LIMITED = Counter("turbospark_generation_time_limited", "Generations ended by the wall-clock limit", ["model"])
+THROTTLED = Counter("turbospark_ratelimit_throttled", "Requests refused with 429 by key name and the limit they hit",
+                    ["key", "reason"])
+KEY_TOKENS = Counter("turbospark_key_tokens", "Tokens charged to each key's limits (prompt and completion)",
+                     ["key", "kind"])
 MODEL_LOADS = Counter("turbospark_model_loads", "Model loads by outcome (ok | failed)", ["model", "outcome"])
 MODEL_LOAD_SECONDS = Histogram("turbospark_model_load_seconds", "Time to load a model",
                                buckets=(0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300))
@@ -79,6 +83,15 @@ def record_generation(gen):
             TPOT.labels(model).observe((gen.finished_at - gen.first_token_at) / (usage.completion_tokens - 1))
     if getattr(gen, "time_limited", False):
         TIME_LIMITED.labels(model).inc()
+
+
+def record_throttled(key, reason):
+    """A 429: `key` is the key's name in the limits file, or "default"."""
+    THROTTLED.labels(key, reason).inc()
+
+
+def record_key_tokens(key, kind, tokens):
+    KEY_TOKENS.labels(key, kind).inc(tokens)
 
 
 def observe_queue(queue):

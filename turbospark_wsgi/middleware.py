@@ -47,6 +47,9 @@ class RequestContext:
         gen = getattr(req.context, "generation", None)
         if getattr(gen, "time_limited", False) and not isinstance(resp.stream, SSEStream):
             resp.set_header(TIME_LIMIT_HEADER, "true")
+        permit = getattr(req.context, "limits", None)
+        if permit is not None and resp.status_code < 400:
+            resp.set_headers(permit.headers(anthropic=req.path.startswith("/v1/messages")))
         if isinstance(resp.stream, SSEStream):
             resp.stream.add_close_callback(lambda: log_access(req, resp))
         else:
@@ -68,7 +71,7 @@ class ApiKeyAuth:
     def process_request(self, req, resp):
         if not self._digests or req.path in self._open or req.method == "OPTIONS":
             return
-        given = _bearer(req.get_header("Authorization")) or req.get_header("x-api-key")
+        given = api_key(req)
         if not given:
             raise Unauthorized("Missing API key: send 'Authorization: Bearer KEY' or 'x-api-key: KEY'",
                                headers={"WWW-Authenticate": "Bearer"})
@@ -268,10 +271,15 @@ def _short(exc):
 def client_key(req):
     """Who a request is for fair queueing: a digest of the API key it presents (any key, also on an
     open server), else its peer address. Never the key itself."""
-    given = _bearer(req.get_header("Authorization")) or req.get_header("x-api-key")
+    given = api_key(req)
     if given:
         return "key:" + _digest(given).hex()[:16]
     return "addr:" + (req.remote_addr or "")
+
+
+def api_key(req):
+    """The API key the request presents (`Authorization: Bearer` or `x-api-key`), or None."""
+    return _bearer(req.get_header("Authorization")) or req.get_header("x-api-key")
 
 
 def _bearer(header):

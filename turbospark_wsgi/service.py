@@ -16,6 +16,7 @@ from .cancel import CancelToken
 from .engine import SamplingParams
 from .errors import ApiError, ContextLengthExceeded, InvalidRequest
 # NOTE(events): the events and their folds live with Generation; importers keep taking them from here.
+from .limits import Limits
 from .generation import (ChoiceResult, Finished, Generation, KeepAlive, PromptBatch, TextDelta,  # noqa: F401
                          TokenLogprob, Usage, collect, collect_choices)
 from .queue import LockQueue
@@ -83,9 +84,10 @@ EMBED_CHUNK = 32
 class Service:
     """Admits requests, queues them FIFO and drives the engine on the compute thread."""
 
-    def __init__(self, config, registry=None, queue=None):
+    def __init__(self, config, registry=None, queue=None, limits=None):
         self.config = config
         self.registry = registry if registry is not None else Registry(config)
+        self.limits = limits if limits is not None else Limits.from_config(config)
         self.queue = queue if queue is not None else LockQueue(config.max_waiting, config.queue_timeout,
                                                                         slots=config.max_batch)
         self._loading_pid = None

@@ -8,7 +8,7 @@ import logging
 
 from ..cancel import CancelToken, DisconnectWatcher
 from ..errors import ApiError, EngineError
-from ..middleware import client_key, request_id
+from ..middleware import api_key, client_key, request_id
 from ..service import collect
 from ..sse import SSEStream
 
@@ -20,11 +20,18 @@ CLIENT_CLOSED = 499     # nginx's code for "client closed request"; nobody reads
 
 
 def begin(service, req, gen):
-    """Admits `gen` (eagerly) and starts a disconnect watcher on the client socket."""
+    """Admits `gen` (eagerly: the client's limits, then the service) and starts a disconnect watcher
+    on the client socket."""
     gen.request_id, gen.client = request_id(req), client_key(req)
+    permit = service.limits.admit(api_key(req), req.remote_addr)
     cancel = CancelToken()
-    events = service.run(gen, cancel)
-    req.context.generation = events
+    try:
+        events = service.run(gen, cancel)
+    except BaseException:
+        permit.refund()
+        raise
+    permit.meter(events)
+    req.context.generation, req.context.limits = events, permit
     return events, DisconnectWatcher(req.env, cancel).start()
 
 
