@@ -44,6 +44,7 @@ class FakeEngine:
     """
 
     kind = "generation"
+    capabilities = ("generation",)  # the fake does not embed
     backend = "fake"
     backend_reason = "test double"
     add_bos = True                  # the model's rule for raw text (Engine.add_bos)

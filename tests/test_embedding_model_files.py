@@ -71,4 +71,4 @@ def test_models_names_each_kind(capsys, tmp_path):
     (tmp_path / "st" / "modules.json").write_text(json.dumps([]))
     assert cli.main(["models", "--models-dir", str(tmp_path)]) == 0
     rows = [line.split("\t") for line in capsys.readouterr().out.splitlines()]
-    assert [(r[0], r[3]) for r in rows] == [("a", "generation"), ("st", "embedding")]
+    assert [(r[0], r[3]) for r in rows] == [("a", "generation,embedding"), ("st", "embedding")]

@@ -317,3 +317,12 @@ def test_compute_executor_is_one_thread_per_process():
     assert compute.executor() is compute.executor()
     names = {compute.run(lambda: threading.current_thread().name) for _ in range(5)}
     assert len(names) == 1
+
+
+def test_embedding_chunks_bound_inputs_and_tokens():
+    from turbospark_wsgi.service import _chunks, keep_last
+    seqs = [[1] * n for n in (3, 3, 3, 9, 1, 1, 1, 1)]
+    assert [[len(s) for s in c] for c in _chunks(seqs, 3, 8)] == [[3, 3], [3], [9], [1, 1, 1], [1]]
+    assert keep_last([0, 1, 2, 3, 4, 9], 4, head=1, tail=1) == [0, 3, 4, 9]
+    assert keep_last([0, 1, 2, 3, 4, 9], 2, head=1, tail=1) == [4, 9]       # no room for text: the plain tail
+    assert keep_last([0, 1, 2], 5, head=1) == [0, 1, 2]

@@ -124,14 +124,14 @@ def cmd_pull(args):
 
 
 def cmd_models(args):
-    from .registry import is_embedding_model
+    from .registry import is_embedding_model, model_capabilities
 
     rows = installed_models(models_dir(args))
     if not rows:
         print(f"no models in {models_dir(args)}; try `turbospark pull`", file=sys.stderr)
     for model_id, size, path in rows:
         kind = "embedding" if is_embedding_model(str(path)) else "generation"
-        print(f"{model_id}\t{size / 2**20:.1f} MiB\t{path}\t{kind}")
+        print(f"{model_id}\t{size / 2**20:.1f} MiB\t{path}\t{','.join(model_capabilities(kind))}")
 
 
 def _registry(directory, model=pulling.DEFAULT_MODEL):

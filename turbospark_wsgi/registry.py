@@ -27,6 +27,11 @@ class ModelInfo:
     alias_of: str | None = None     # the installed id an alias points at
     kind: str = "generation"        # "embedding": a sentence-transformers encoder (/v1/embeddings only)
 
+    @property
+    def capabilities(self):
+        """The routes' kinds it serves: a decoder generates and embeds, an encoder only embeds."""
+        return model_capabilities(self.kind)
+
 
 @dataclass(slots=True)
 class _Loaded:
@@ -258,6 +263,10 @@ class Registry:
         return ModelInfo(id=model_id, path=path, loaded=os.path.realpath(path) in self._engines,
                          created=int(_mtime(path)), alias_of=alias_of,
                          kind="embedding" if is_embedding_model(path) else "generation")
+
+
+def model_capabilities(kind):
+    return ("embedding",) if kind == "embedding" else ("generation", "embedding")
 
 
 def is_embedding_model(path):

@@ -76,8 +76,9 @@ class EmbeddingResult:
     model: str
 
 
-# PERF(fairness): the inputs of one request go to the compute thread in chunks of this many, so
-# generations running beside a long list get their decode steps between chunks.
+# PERF(fairness): the inputs of one request go to the compute thread in chunks of at most this many
+# inputs and the model's `embed_chunk_tokens` tokens (a decoder runs each input alone, so far fewer
+# than an encoder), so generations running beside a long list get their decode steps between chunks.
 EMBED_CHUNK = 32
 
 
@@ -274,7 +275,7 @@ class Service:
         lease = self.registry.acquire(req.model)
         try:
             engine = lease.engine
-            if engine.kind != "embedding":
+            if "embedding" not in engine.capabilities:
                 raise InvalidRequest(f"The model '{name}' is a generation model and does not embed; "
                                      f"use an embedding model (see GET /v1/models)", param="model",
                                      code="model_not_embedding")
@@ -290,9 +291,8 @@ class Service:
             # NOTE(queue): a place in the same FIFO as generations (503 when it is full), held while
             # the chunks run, so a flood of embeddings waits its turn instead of crowding the compute thread
             with self.queue.slot():
-                for start in range(0, len(seqs), EMBED_CHUNK):
-                    chunk = compute.run(engine.embed, seqs[start:start + EMBED_CHUNK], req.dimensions)
-                    vectors.extend(chunk.tolist())
+                for chunk in _chunks(seqs, EMBED_CHUNK, engine.embed_chunk_tokens):
+                    vectors.extend(compute.run(engine.embed, chunk, req.dimensions).tolist())
             return EmbeddingResult(vectors, sum(len(s) for s in seqs), name)
         finally:
             lease.release()
@@ -343,10 +343,23 @@ class TokenizerInfo:
 
 def _generating(engine, name):
     """`engine`, when it generates; a 400 naming the model's kind when it only embeds."""
-    if engine.kind == "embedding":
+    if "generation" not in engine.capabilities:
         raise InvalidRequest(f"The model '{name}' is an embedding model and does not generate text; "
                              f"use it with /v1/embeddings", param="model", code="model_not_generative")
     return engine
+
+
+def _chunks(seqs, most, tokens):
+    """`seqs` in order, in runs of at most `most` sequences and `tokens` tokens (at least one each)."""
+    run, size = [], 0
+    for s in seqs:
+        if run and (len(run) == most or size + len(s) > tokens):
+            yield run
+            run, size = [], 0
+        run.append(s)
+        size += len(s)
+    if run:
+        yield run
 
 
 def _truncation(value, limit, what):

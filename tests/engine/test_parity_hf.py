@@ -146,3 +146,48 @@ def test_default_model_matches_transformers(default_gguf):
     loaded = load_model(default_gguf, device="cpu")
     prompt = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3575, 2, 198, 1, 4093, 198, 504, 3575, 282]
     assert_parity(loaded, reference, prompt)
+
+
+def hf_hidden(model, ids):
+    """transformers' last hidden state (the final norm applied): what the head reads."""
+    with torch.no_grad():
+        return model.model(torch.tensor([ids])).last_hidden_state[0].numpy()
+
+
+@pytest.mark.parametrize("qtype", ["F32", "Q8_0"])
+def test_hidden_states_match_transformers(tiny_gguf, qtype):
+    tiny = tiny_gguf(qtype=qtype)
+    model = load_model(tiny.path, device="cpu").model
+    cache = model.new_cache()
+    split = len(PROMPT) // 3                            # two calls: the second reads the cache
+    ours = np.concatenate([model.forward(PROMPT[:split], cache, logits="hidden"),
+                           model.forward(PROMPT[split:], cache, logits="hidden")])
+    ref = hf_hidden(hf_from_state(tiny), PROMPT)
+    assert ours.shape == ref.shape == (len(PROMPT), tiny.config["hidden_size"])
+    assert np.abs(ours - ref).max() <= TOL
+
+
+EMBED_TEXTS = ["a", ".", "Hello, world!", "The quick brown fox jumps over the lazy dog.",
+               "東京は日本の首都です。", "Привет, как у тебя дела сегодня?", "مرحبا بالعالم، كيف حالك؟",
+               "🙂🙃 emoji only 🚀", "def f(x): return x ** 2  # code", "UPPER CASE and lower case",
+               "word " * 120, " ".join(f"token{i} and some filler text" for i in range(25)),
+               "Numbers: 3.14159, 2.71828; dates 2024-01-01.", "A man is eating food.",
+               "A man is eating a piece of bread.", "The girl is carrying a baby.",
+               "Paris is the capital of France.", "Stock markets fell sharply on Monday.",
+               "The recipe needs flour, eggs and sugar.", "Python is a programming language."]
+
+
+@pytest.mark.slow
+def test_default_model_embeddings_match_transformers(default_gguf):
+    """/v1/embeddings on the default SmolLM2 GGUF: transformers' hidden states of the same file,
+    mean-pooled and normalised, on 20 varied texts."""
+    from turbospark_wsgi.engine import load_engine
+    reference = transformers.AutoModelForCausalLM.from_pretrained(
+        default_gguf.parent, gguf_file=default_gguf.name, dtype=torch.float32, attn_implementation="eager").eval()
+    engine = load_engine(default_gguf, device="cpu")
+    seqs = engine.encode_batch(EMBED_TEXTS)
+    ours = engine.embed(seqs)
+    ref = np.stack([hf_hidden(reference, s).mean(axis=0) for s in seqs])
+    ref /= np.linalg.norm(ref, axis=1, keepdims=True)
+    cos = (ours * ref).sum(axis=1)
+    assert cos.min() >= 0.9999, list(zip(EMBED_TEXTS, cos))

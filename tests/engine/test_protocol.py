@@ -42,6 +42,12 @@ def test_the_engine_implements_the_text_engine_protocol(tiny_gguf):
     assert isinstance(engine, protocol.TextEngine) and engine.kind == "generation"
 
 
+def test_the_engine_implements_the_embedding_engine_protocol_too(tiny_gguf):
+    engine = load_engine(tiny_gguf().path, device="cpu")
+    assert missing(engine, protocol.EmbeddingEngine) == []
+    assert isinstance(engine, protocol.EmbeddingEngine) and engine.capabilities == ("generation", "embedding")
+
+
 def test_the_fake_scores_as_the_engine_does_one_entry_per_prompt_token(harness):
     from turbospark_wsgi.engine import Finish, Scores
     events = list(harness.engine("fake").score([1, 70, 71, 72], top=2))

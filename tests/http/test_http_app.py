@@ -70,7 +70,8 @@ def test_models_list_includes_aliases(harness):
     ids = [m["id"] for m in r.json["data"]]
     assert ids == ["fake", "other", "tiny"]
     assert r.json["data"][0] == {"id": "fake", "object": "model", "created": r.json["data"][0]["created"],
-                                 "owned_by": "turbospark", "loaded": False, "kind": "generation"}
+                                 "owned_by": "turbospark", "loaded": False, "kind": "generation",
+                                 "capabilities": ["generation", "embedding"]}
 
 
 def test_one_model_or_404(harness):

@@ -3,6 +3,7 @@ import json
 import os
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 MODEL = Path(os.environ.get("TURBOSPARK_TEST_MODELS", "/work/shared/models")) / "stories260K.gguf"
@@ -112,8 +113,32 @@ def test_truncate_prompt_tokens_refusals(client, value, words):
     assert words in r.json["error"]["message"], r.json
 
 
+def test_the_generation_model_embeds_too(client, direct):
+    texts = ["Once upon a time", "東京", "The little dog ran to the park"]
+    doc = client.post_json("/v1/embeddings", {"model": "stories260K", "input": texts}).json
+    got = np.array([d["embedding"] for d in doc["data"]], dtype=np.float32)
+    seqs = direct.encode_batch(texts)
+    assert got.shape == (3, 64) and doc["usage"]["prompt_tokens"] == sum(map(len, seqs))
+    np.testing.assert_allclose(got, direct.embed(seqs), atol=1e-6)
+    np.testing.assert_allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-5)
+    by_ids = client.post_json("/v1/embeddings", {"model": "stories260K", "input": seqs[2]}).json
+    np.testing.assert_allclose(by_ids["data"][0]["embedding"], got[2], atol=1e-6)
+    cut = client.post_json("/v1/embeddings", {"model": "stories260K", "input": "word " * 600,
+                                              "truncate_prompt_tokens": -1}).json
+    assert cut["usage"]["prompt_tokens"] == 512
+
+
+@pytest.mark.parametrize("body, words", [({"input": "word " * 600}, "input has 1802 tokens; this model embeds at most 512"),
+                                         ({"input": [[5, 32000]]}, "token id 32000 is outside the vocabulary"),
+                                         ({"input": "a", "dimensions": 8}, "Matryoshka")])
+def test_embedding_refusals_on_the_generation_model(client, body, words):
+    err = client.post_json("/v1/embeddings", {"model": "stories260K", **body}, status=400).json["error"]
+    assert words in err["message"], err
+
+
 def test_health_and_models_after_load(client):
     complete(client, max_tokens=1)
     health = client.get("/health").json
     assert health["status"] == "ok" and health["backend"] == "numpy" and health["max_context"] == 512
-    assert "stories260K" in [m["id"] for m in client.get("/v1/models").json["data"]]
+    model = next(m for m in client.get("/v1/models").json["data"] if m["id"] == "stories260K")
+    assert model["kind"] == "generation" and model["capabilities"] == ["generation", "embedding"]

@@ -47,8 +47,10 @@ class Encoder:
     """A BERT encoder with its tokenizer, pooling and normalisation."""
 
     kind = "embedding"
+    capabilities = ("embedding",)
     backend = "numpy"
     backend_reason = "the encoder runs on the CPU"
+    embed_chunk_tokens = MAX_BATCH_TOKENS   # tokens of inputs one compute-thread call embeds
 
     def __init__(self, path, name=None):
         self.path = str(path)

@@ -2,8 +2,11 @@
 over a prefix cache of up to `max_batch` KV caches."""
 from pathlib import Path
 
+import numpy as np
+
 from .chat_template import ChatTemplate
 from .constraints import ConstraintCompiler, ThinkingBudget
+from .encoder import normalize
 from .events import Finish
 from .scheduler import Scheduler
 from .loader import load_model
@@ -11,6 +14,10 @@ from .tokenizer import Tokenizer
 
 DEFAULT_PREFILL_CHUNK = 128
 DEFAULT_MAX_BATCH = 8
+# GGUF `<arch>.pooling_type` values (llama.cpp's enum) that pool a sequence into one vector
+POOLING_TYPES = {1: "mean", 2: "cls", 3: "last"}
+# PERF(embed): an input runs through the model in pieces of at most this many tokens
+EMBED_PIECE = 512
 
 
 def load_engine(path, device="auto", *, name=None, max_context=0, prefill_chunk=DEFAULT_PREFILL_CHUNK,
@@ -26,9 +33,13 @@ def load_engine(path, device="auto", *, name=None, max_context=0, prefill_chunk=
 
 
 class Engine:
-    """A generation model (protocol.TextEngine)."""
+    """A generation model (protocol.TextEngine) that embeds too (protocol.EmbeddingEngine): its
+    final-normed hidden states, pooled."""
 
     kind = "generation"
+    capabilities = ("generation", "embedding")
+    matryoshka = False
+    embed_chunk_tokens = EMBED_PIECE        # tokens of inputs one compute-thread call embeds
 
     def __init__(self, loaded, tokenizer, *, name=None, max_context=0, prefill_chunk=DEFAULT_PREFILL_CHUNK,
                  max_batch=DEFAULT_MAX_BATCH):
@@ -46,6 +57,7 @@ class Engine:
                                      tokenizer.special_tokens)
         self._constraints = ConstraintCompiler(tokenizer, self.config.vocab_size)
         self.max_batch = max_batch
+        self.pooling = _pooling(loaded)
         self.scheduler = Scheduler(self.model, tokenizer, max_batch=max_batch,
                                    max_context=self.max_context, chunk=prefill_chunk)
 
@@ -54,6 +66,48 @@ class Engine:
         """Whether the model puts BOS before a raw text prompt (GGUF `tokenizer.ggml.add_bos_token`,
         or the Hugging Face tokenizer's `add_bos_token` / post-processor): llama.cpp's add_special."""
         return self.tokenizer.add_bos and self.tokenizer.bos_id is not None
+
+    # ---- embeddings (the attributes /v1/embeddings reads, as on the encoder) -------------------------
+
+    @property
+    def dim(self):
+        return self.config.dim
+
+    @property
+    def vocab_size(self):
+        return self.config.vocab_size
+
+    @property
+    def max_tokens(self):
+        return self.max_context
+
+    @property
+    def special_span(self):
+        """(leading, trailing) special tokens `encode_batch` puts around a text: BOS where the model wants it."""
+        return int(self.add_bos), 0
+
+    def encode_batch(self, texts):
+        """Token ids of texts to embed, with BOS where the model wants it (llama.cpp's add_special)."""
+        return [self.encode(t, add_bos=self.add_bos) for t in texts]
+
+    def embed(self, sequences, dimensions=None):
+        """float32 [len(sequences), dim]: each token-id list (1..max_context ids in the vocabulary:
+        the caller checks) run alone through the model, its final-normed hidden states (what the
+        head reads) pooled as `pooling` says and scaled to unit length. `dimensions` is not
+        supported (no Matryoshka training) and must be None.
+
+        NOTE(isolation): every input gets a fresh KV cache of its own size, never a prefix-cache
+        slot, so running generations keep their caches; call it on the compute thread, between
+        their steps."""
+        out = np.empty((len(sequences), self.dim), dtype=np.float32)
+        for row, ids in enumerate(sequences):
+            cache = self.model.new_cache(max_seq=len(ids))
+            hidden = np.concatenate([self.model.forward(ids[i:i + EMBED_PIECE], cache, logits="hidden")
+                                     for i in range(0, len(ids), EMBED_PIECE)])          # [T, dim]
+            out[row] = hidden.mean(axis=0) if self.pooling == "mean" else hidden[0 if self.pooling == "cls" else -1]
+        return normalize(out).astype(np.float32)
+
+    # ---- generation ----------------------------------------------------------------------------------
 
     def encode(self, text, add_bos):
         return self.tokenizer.encode(text, add_bos=add_bos)
@@ -119,6 +173,18 @@ class Engine:
         bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
         if bad:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary (0..{self.config.vocab_size - 1})")
+
+
+def _pooling(loaded):
+    """How hidden states pool into one vector: the GGUF's own `<arch>.pooling_type` where it names
+    mean, CLS or last; otherwise mean.
+
+    NOTE(pooling): llama.cpp's default for a GGUF without the key is "none" (a vector per token);
+    its OpenAI route then refuses ("Pooling type 'none' is not OAI compatible"), so there is no
+    default to copy. Mean is what `llama-server --embeddings --pooling mean` computes; for a model
+    not trained to embed it keeps every token's say, where the last token mostly predicts the next."""
+    meta = loaded.metadata if loaded.kind == "gguf" else {}
+    return POOLING_TYPES.get(meta.get(f"{meta.get('general.architecture')}.pooling_type"), "mean")
 
 
 def _model_id(path):

@@ -77,14 +77,15 @@ class Transformer:
     def forward(self, tokens, cache, logits="last", row_exact=False):
         """Runs `tokens` (ids) at positions cache.length.. and advances cache.length by len(tokens).
         Returns host float32 logits: "last" -> [vocab], "all" -> [T, vocab], "none" -> None.
+        "hidden" -> [T, dim]: every position's final-normed hidden state, before the head (embeddings).
         `row_exact` runs the products on `rows_matmul`, so each position's K/V bits do not depend on
         how the prompt was cut into calls (where `rows_exact`)."""
         c, w, xp = self.cfg, self.w, self.xp
         mm = rows_matmul if row_exact else _plain_matmul
         ids = np.asarray(tokens, dtype=np.int64).reshape(-1)
         T, pos, H, G = len(ids), cache.length, c.n_head, c.n_kv_head
-        if logits not in ("last", "all", "none"):
-            raise ValueError(f"logits must be 'last', 'all' or 'none', not {logits!r}")
+        if logits not in ("last", "all", "none", "hidden"):
+            raise ValueError(f"logits must be 'last', 'all', 'none' or 'hidden', not {logits!r}")
         if T == 0 or pos + T > cache.max_seq:
             raise ValueError(f"cannot run {T} tokens at position {pos} with a cache of {cache.max_seq}")
         ropes = [tuple(t[pos:pos + T] for t in self._rope_table(pos + T, k))   # [T, 1, rope_dim/2] x2
@@ -104,6 +105,8 @@ class Transformer:
         cache.length = pos + T
         if logits == "none":
             return None
+        if logits == "hidden":
+            return to_host(rms_norm(x, w.norm, c.norm_eps, xp))        # [T, dim]
         x = x[-1:] if logits == "last" else x                           # [1 or T, dim]
         out = self._cap(to_host(rms_norm(x, w.norm, c.norm_eps, xp) @ w.head))   # [1 or T, vocab]
         return out[0] if logits == "last" else out

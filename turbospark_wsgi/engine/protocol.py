@@ -35,6 +35,7 @@ class TextEngine(Protocol):
     caller's (compute) thread; `should_stop` is polled before each step and cancels the run."""
 
     kind: str               # "generation"
+    capabilities: tuple     # the routes it serves: ("generation",), or ("generation", "embedding")
     name: str
     backend: str            # "numpy" | "cupy"
     backend_reason: str
@@ -74,7 +75,8 @@ class TextEngine(Protocol):
 class EmbeddingEngine(Protocol):
     """A sentence-embedding model: token ids in, one vector per input out."""
 
-    kind: str               # "embedding"
+    kind: str               # "embedding", or "generation" for a generation model that embeds too
+    capabilities: tuple     # ("embedding",), or ("generation", "embedding")
     name: str
     backend: str
     backend_reason: str
@@ -83,6 +85,8 @@ class EmbeddingEngine(Protocol):
     vocab_size: int
     dim: int
     matryoshka: bool        # trained so that leading dimensions alone embed (OpenAI's `dimensions`)
+    special_span: tuple     # (leading, trailing) special tokens encode_batch puts around a text
+    embed_chunk_tokens: int  # tokens of inputs one compute-thread call to `embed` should take
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]: ...
 

@@ -24,6 +24,8 @@ class Model:
 
 
 def _model(info):
-    """The OpenAI model object plus `loaded` (whether it is in memory now) and `kind` (generation
-    or embedding: which routes serve it)."""
-    return dict(openai.model_object(info), loaded=info.loaded, kind=info.kind)
+    """The OpenAI model object plus `loaded` (whether it is in memory now), `kind` (generation or
+    embedding: what the model is) and `capabilities` (the routes it serves: a generation model
+    embeds too)."""
+    return dict(openai.model_object(info), loaded=info.loaded, kind=info.kind,
+                capabilities=list(info.capabilities))

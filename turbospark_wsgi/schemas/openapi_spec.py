@@ -152,7 +152,8 @@ _SCHEMAS = {
     "TokenCount": {"type": "object", "required": ["input_tokens"], "properties": {"input_tokens": _INT}},
     "Model": {"type": "object", "required": ["id", "object", "created", "owned_by"],
               "properties": {"id": _STR, "object": {"const": "model"}, "created": _INT, "owned_by": _STR,
-                             "loaded": _BOOL, "kind": {"enum": ["generation", "embedding"]}}},
+                             "loaded": _BOOL, "kind": {"enum": ["generation", "embedding"]},
+                             "capabilities": {"type": "array", "items": {"enum": ["generation", "embedding"]}}}},
     "EmbeddingRequest": {"type": "object", "required": ["input"], "properties": {
         "model": _STR, "user": _STR, "dimensions": {"type": "integer", "minimum": 1,
                                                     "description": "only for models trained for it (Matryoshka)"},
