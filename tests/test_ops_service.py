@@ -106,6 +106,21 @@ def test_max_tokens_cap_refuses_before_loading_and_caps_an_absent_max_tokens(mak
     assert finished.reason == "length" and finished.usage.completion_tokens == 3
 
 
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}, "max_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 4},
+     "max_tokens"),
+    ("/v1/messages", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}, "max_tokens"),
+    ("/v1/responses", {"input": "hi", "max_output_tokens": 4}, "max_output_tokens"),
+])
+def test_a_chat_request_over_the_max_tokens_cap_is_refused_before_any_model_loads(make_harness, path, body, param):
+    h = make_harness(max_tokens_cap=3)
+    r = h.client().post_json(path, body, status=400)
+    error = r.json["error"]
+    assert error.get("param", param) == param and "TURBOSPARK_MAX_TOKENS_CAP" in error["message"]
+    assert h.loads == [] and h.registry.loaded() is None    # the model was neither loaded nor resolved
+
+
 def test_wall_clock_limit_ends_with_length_and_a_header(make_harness):
     h = make_harness(max_generation_seconds=0.15)
     h.engine(reply="x" * 40, step_delay=0.02)

@@ -51,7 +51,7 @@ def test_conversation_maps_to_template_messages():
                 {"type": "tool_result", "tool_use_id": "toolu_1", "content": [{"type": "text", "text": "5C"}]},
                 {"type": "text", "text": "thanks"}]},
         ]})
-    assert req.messages == [
+    assert req.chat.messages == [
         {"role": "system", "content": "sys"},
         {"role": "user", "content": "weather?"},
         {"role": "assistant", "reasoning_content": "use tool", "content": "Checking.",
@@ -61,10 +61,10 @@ def test_conversation_maps_to_template_messages():
         {"role": "user", "content": "thanks"},
     ]
     assert req.max_tokens == 4096 and req.params.stop == ("END",) and req.params.top_k == 5
-    assert req.tool_choice == "required" and req.parallel_tool_calls is False
-    assert req.tools[0]["function"]["parameters"] == TOOL["input_schema"]
-    assert req.template_kwargs == {"enable_thinking": True} and req.thinking_budget == 2048
+    assert req.chat.tool_choice == "required" and req.chat.parallel_tool_calls is False
+    assert req.chat.tools[0]["function"]["parameters"] == TOOL["input_schema"]
+    assert req.chat.template_kwargs == {"enable_thinking": True} and req.chat.thinking_budget == 2048
 
 
 def test_count_only_needs_no_max_tokens():
-    assert parse_messages_request({"messages": USER}, count_only=True).messages == [{"role": "user", "content": "hi"}]
+    assert parse_messages_request({"messages": USER}, count_only=True).chat.messages == [{"role": "user", "content": "hi"}]

@@ -58,42 +58,42 @@ def test_malformed_bodies_name_their_param(body, param):
 
 
 def test_content_parts_and_roles_are_normalized():
-    chat = parse_chat({"messages": [
+    req = parse_chat({"messages": [
         {"role": "developer", "content": "be brief"},
         {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
         {"role": "assistant", "content": None, "reasoning": "thought",
          "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{\"x\": 1}"}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "42"},
     ], "max_completion_tokens": 7, "max_tokens": 3, "stop": "END", "seed": 4, "unknown_field": 1})
-    assert chat.messages == [
+    assert req.chat.messages == [
         {"role": "system", "content": "be brief"},
         {"role": "user", "content": "a\nb"},
         {"role": "assistant", "content": "", "reasoning_content": "thought",
          "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "f", "arguments": {"x": 1}}}]},
         {"role": "tool", "content": "42", "tool_call_id": "call_1", "name": "f"},
     ]
-    assert chat.max_tokens == 7 and chat.params.stop == ("END",) and chat.params.seed == 4
+    assert req.max_tokens == 7 and req.params.stop == ("END",) and req.params.seed == 4
 
 
 def test_defaults_and_options():
-    chat = parse_chat({"messages": USER})
-    assert chat.max_tokens is None and chat.tools is None and chat.tool_choice == "none"
-    assert chat.reasoning and not chat.stream and not chat.include_usage
-    chat = parse_chat({"messages": USER, "stream": True, "stream_options": {"include_usage": True},
-                       "reasoning_format": "none", "response_format": {"type": "text"},
-                       "chat_template_kwargs": {"enable_thinking": False}, "n": 1})
-    assert chat.include_usage and not chat.reasoning and chat.template_kwargs == {"enable_thinking": False}
+    req = parse_chat({"messages": USER})
+    assert req.max_tokens is None and req.chat.tools is None and req.chat.tool_choice == "none"
+    assert req.chat.reasoning and not req.stream and not req.include_usage
+    req = parse_chat({"messages": USER, "stream": True, "stream_options": {"include_usage": True},
+                      "reasoning_format": "none", "response_format": {"type": "text"},
+                      "chat_template_kwargs": {"enable_thinking": False}, "n": 1})
+    assert req.include_usage and not req.chat.reasoning and req.chat.template_kwargs == {"enable_thinking": False}
 
 
 def test_tool_choice_forms():
-    assert parse_chat({"messages": USER, "tools": [TOOL]}).tool_choice == "auto"
+    assert parse_chat({"messages": USER, "tools": [TOOL]}).chat.tool_choice == "auto"
     named = {"type": "function", "function": {"name": "get_weather"}}
-    assert parse_chat({"messages": USER, "tools": [TOOL], "tool_choice": named}).tool_choice == "get_weather"
-    chat = parse_chat({"messages": USER, "tools": [TOOL], "tool_choice": "none"})
+    assert parse_chat({"messages": USER, "tools": [TOOL], "tool_choice": named}).chat.tool_choice == "get_weather"
+    chat = parse_chat({"messages": USER, "tools": [TOOL], "tool_choice": "none"}).chat
     assert chat.tools is None and chat.tool_choice == "none"
 
 
 def test_reasoning_content_accepted_back_under_both_names():
     for key in ("reasoning_content", "reasoning"):
-        chat = parse_chat({"messages": [{"role": "assistant", "content": "x", key: "why"}]})
+        chat = parse_chat({"messages": [{"role": "assistant", "content": "x", key: "why"}]}).chat
         assert chat.messages[0]["reasoning_content"] == "why"

@@ -119,8 +119,9 @@ class Generation:
     first_token_at, finished_at (time.monotonic values or None).
     """
 
-    def __init__(self, engine, ids, params, req, cancel, ticket, keepalive, grammar=None, poll=False):
+    def __init__(self, engine, ids, params, req, cancel, ticket, keepalive, grammar=None, poll=False, plan=None):
         self.model_id = engine.name
+        self.plan = plan                          # a chat request's OutputPlan (its `parser()` reads the text)
         self.request_id = req.request_id
         self.prompt_tokens = len(ids)
         self.usage = None
@@ -128,13 +129,13 @@ class Generation:
         self.enqueued_at, self.started_at = time.monotonic(), None
         self.first_token_at = self.finished_at = None
         self._engine, self._ids, self._params, self._grammar = engine, ids, params, grammar
-        self._thinking_budget = req.thinking_budget
+        self._thinking_budget = req.chat.thinking_budget if req.chat is not None else None
         self._n, self._runs = req.n, max(req.n, req.best_of or 1)
         self._echo_text = None if not req.echo else (req.prompt if req.prompt is not None else None)
         self._echo, self._report = req.echo, req.logprobs is not None
         self._cancel, self._ticket, self._keepalive = cancel, ticket, keepalive
         self._poll = poll                         # yield Waiting instead of blocking (PromptBatch)
-        self._end_listed = req.messages is None   # completions list the end token's logprob
+        self._end_listed = req.chat is None       # completions list the end token's logprob
         self._steps = self._pending = None
         self._completion_tokens = 0
         self._unaccounted = 0                     # tokens of the choice in flight, not yet in usage
@@ -429,6 +430,7 @@ class PromptBatch:
     def __init__(self, gens, n, cancel, keepalive):
         self._gens, self._n, self._cancel, self._keepalive = gens, n, cancel, keepalive
         self.model_id, self.request_id = gens[0].model_id, gens[0].request_id
+        self.plan = None                  # completions only: no chat output plan
         self.prompt_tokens = sum(g.prompt_tokens for g in gens)
         self.enqueued_at = min(g.enqueued_at for g in gens)
         self._usages = {}                 # prompt index -> its run's final Usage

@@ -27,16 +27,15 @@ log = logging.getLogger("turbospark.service")
 
 @dataclass(slots=True)
 class GenerationRequest:
-    """One generation, as the schemas hand it to the service (one of prompt / prompt_ids / messages /
-    prompts)."""
+    """One generation, as the schemas hand it to the service (one of prompt / prompt_ids / chat /
+    prompts). Every field was checked without a model; the service does the rest."""
 
     model: str | None = None                # None: the default model
     prompt: str | None = None               # raw text (completions)
     prompt_ids: list | None = None          # token ids given by the client
-    messages: list | None = None            # chat messages (the model's template applies)
+    chat: object = None                     # a schemas.tool_prompt.ChatPart: messages through the model's
+                                            # template, planned against it by `chat.plan(source)`
     prompts: list | None = None             # completions: several prompts, each text or token ids
-    tools: list | None = None
-    template_kwargs: dict = field(default_factory=dict)
     add_special: bool = True                # raw text: BOS where the model's own rule puts one; False: never
     max_tokens: int | None = 16             # None: up to the end of the context
     params: SamplingParams = field(default_factory=SamplingParams)
@@ -46,14 +45,10 @@ class GenerationRequest:
     logprobs: int | None = None             # None: no logprobs; N: the chosen token's plus the top N
     n: int = 1                              # choices returned
     best_of: int | None = None              # choices generated (the n with the best cumulative logprob win)
-    grammar: dict | None = None             # llguidance grammar spec the output must follow
-    grammar_param: str = "response_format"  # the request field blamed when the grammar cannot compile
     request_id: str = ""
     client: str = ""                        # whose request (an API key's digest or an address): the
                                             # queue takes turns between clients
     prompt_param: str = "prompt"            # the request field blamed when the prompt is too long
-    assistant_prefix: str = ""              # chat only: text the reply starts with (a forced tool call)
-    thinking_budget: int | None = None      # reasoning tokens before the think tag is closed (no grammar)
     truncate_prompt_tokens: int | None = None   # vLLM's: keep the prompt's last N tokens (-1: the context)
 
 
@@ -123,16 +118,18 @@ class Service:
     def _admit(self, engine, req, cancel):
         if req.prompts is not None:
             return self._admit_batch(engine, req, cancel)
-        ids, params, grammar = self._prepare(engine, req)
+        ids, params, grammar, plan = self._prepare(engine, req)
         ticket = self.queue.enqueue(cancel, client=req.client)
-        return Generation(engine, ids, params, req, cancel, ticket, self.config.keepalive, grammar)
+        return Generation(engine, ids, params, req, cancel, ticket, self.config.keepalive, grammar, plan=plan)
 
     def _prepare(self, engine, req):
-        ids = self._prompt_ids(engine, req)
+        """(prompt ids, sampling params, compiled grammar or None, the chat's OutputPlan or None)."""
+        plan = req.chat.plan(_template_source(engine)) if req.chat is not None else None
+        ids = self._prompt_ids(engine, req, plan)
         params = dataclasses.replace(req.params, max_new_tokens=self._budget(engine, req, len(ids)),
                                      logprobs=_logprobs_wanted(req))
         self._check_logit_bias(engine, params)
-        return ids, params, self._grammar(engine, req)
+        return ids, params, self._grammar(engine, plan), plan
 
     def _admit_batch(self, engine, req, cancel):
         """A prompt list: every prompt is checked first, then each takes its own queue place and
@@ -145,7 +142,7 @@ class Service:
         prepared = [self._prepare(engine, r) for r in reqs]
         gens = []
         try:
-            for r, (ids, params, grammar) in zip(reqs, prepared):
+            for r, (ids, params, grammar, _) in zip(reqs, prepared):
                 # NOTE(cancel): each run ends its own token when it closes; the request's token ends them all.
                 token = CancelToken()
                 cancel.on_cancel(token.cancel)
@@ -164,12 +161,7 @@ class Service:
 
     def count_tokens(self, req):
         """Prompt tokens `req` would use (template applied), without queueing or generating."""
-        engine = _generating(self.registry.resolve(req.model), req.model or self.default_model)
-        return len(self._prompt_ids(engine, req))
-
-    def chat_template(self, model):
-        """The chat template source of `model` (resolving it), for the chat output parsers."""
-        return _generating(self.registry.resolve(model), model or self.default_model).template.source
+        return len(self.tokenize(req)[0])
 
     def models(self):
         return self.registry.list()
@@ -207,20 +199,21 @@ class Service:
             self._load_error = "the default model could not be loaded (see the server log)"
             log.exception("loading the default model failed")
 
-    def _prompt_ids(self, engine, req):
+    def _prompt_ids(self, engine, req, plan=None):
         if req.prompt_ids is not None:
             ids = list(req.prompt_ids)
             _check_ids(engine, ids, req.prompt_param)
-        elif req.messages is not None:
+        elif plan is not None:
             try:
                 # NOTE(kwargs): one dict, never **-spread: a key named like a parameter is the engine's to refuse.
-                ids = engine.apply_chat_template(req.messages, tools=req.tools, template_kwargs=req.template_kwargs)
+                ids = engine.apply_chat_template(plan.messages, tools=plan.tools,
+                                                 template_kwargs=req.chat.template_kwargs)
             except ValueError as e:
                 raise InvalidRequest(str(e), param=getattr(e, "param", None) or "messages") from e
-            if req.assistant_prefix:
+            if plan.assistant_prefix:
                 # NOTE(prefix): the forced tool-call opening is server markup (Mistral's [TOOL_CALLS] is a
                 # control token); the only client text in it is a tool name, checked to [A-Za-z0-9_.-].
-                ids = ids + engine.encode(req.assistant_prefix, add_bos=False)
+                ids = ids + engine.encode(plan.assistant_prefix, add_bos=False)
         else:
             ids = _encode_text(engine, req)
         if not ids:
@@ -258,14 +251,14 @@ class Service:
                 param="max_tokens")
         return req.max_tokens
 
-    def _grammar(self, engine, req):
-        if req.grammar is None:
+    def _grammar(self, engine, plan):
+        if plan is None or plan.grammar is None:
             return None
         try:
             # NOTE(grammar): compiled on the compute thread: the first one builds the tokenizer tables.
-            return compute.run(engine.compile_grammar, req.grammar)
+            return compute.run(engine.compile_grammar, plan.grammar)
         except ValueError as e:
-            raise InvalidRequest(f"'{req.grammar_param}' cannot be enforced: {e}", param=req.grammar_param) from e
+            raise InvalidRequest(f"'{plan.grammar_param}' cannot be enforced: {e}", param=plan.grammar_param) from e
 
     def embed(self, req):
         """An EmbeddingResult for an EmbeddingRequest: the inputs checked, then run through the
@@ -302,7 +295,8 @@ class Service:
         engine = _generating(self.registry.resolve(req.model), req.model or self.default_model)
         if req.prompt == "":
             return _encode_text(engine, req), self._context(engine)
-        return self._prompt_ids(engine, req), self._context(engine)
+        plan = req.chat.plan(_template_source(engine)) if req.chat is not None else None
+        return self._prompt_ids(engine, req, plan), self._context(engine)
 
     def tokenizer_info(self, model):
         """What the tokenizer of `model` (resolving it) is: its special tokens, BOS rule, chat
@@ -310,7 +304,7 @@ class Service:
         engine = _generating(self.registry.resolve(model), model or self.default_model)
         tokenizer = engine.tokenizer
         return TokenizerInfo(bos_token=tokenizer.bos_token, eos_token=tokenizer.eos_token, add_bos=engine.add_bos,
-                             chat_template=self.chat_template(model), max_context=self._context(engine))
+                             chat_template=_template_source(engine), max_context=self._context(engine))
 
     def detokenize(self, model, ids):
         """The text of token ids (special tokens kept), checked against the vocabulary."""
@@ -381,6 +375,11 @@ def keep_last(ids, n, head=0, tail=0):
         return list(ids[-n:])
     end = len(ids) - tail
     return list(ids[:head]) + list(ids[end - (n - head - tail):end]) + list(ids[end:])
+
+
+def _template_source(engine):
+    """The chat template source of a generating engine."""
+    return engine.template.source
 
 
 def _embedding_ids(engine, req, keep=None):

@@ -1,15 +1,17 @@
 """HTTP resources, one module per endpoint family, plus the few steps every generation route shares:
 
+    gen = schemas.parse_*(read_json(req, max_body))   # every check that needs no model
     events, watcher = begin(service, req, gen)        # admission errors raise here, before any byte
     stream_response(resp, frames, events, watcher, error_event)   # or:
-    text, finished = finish(events, watcher)          # finished is None: the client left
+    body = finish(events, watcher, fold)              # fold(events) -> the body's parts; always closes
+
+Chat-shaped routes read the reply through `events.plan.parser()` (the service planned it).
 """
 import logging
 
 from ..cancel import CancelToken, DisconnectWatcher
 from ..errors import ApiError, EngineError
 from ..middleware import api_key, client_key, request_id
-from ..service import collect
 from ..sse import SSEStream
 
 log = logging.getLogger("turbospark.http")
@@ -35,10 +37,10 @@ def begin(service, req, gen):
     return events, DisconnectWatcher(req.env, cancel).start()
 
 
-def finish(events, watcher):
-    """Drains a non-streaming generation; always closes it and stops the watcher."""
+def finish(events, watcher, fold):
+    """Drains a non-streaming generation through `fold(events)`; always closes it and stops the watcher."""
     try:
-        return collect(events)
+        return fold(events)
     finally:
         events.close()
         watcher.stop()

@@ -3,7 +3,7 @@
 from ..middleware import read_json
 from ..schemas import openai
 from ..service import collect_choices
-from . import begin, client_gone, stream_response
+from . import begin, client_gone, finish, stream_response
 
 
 class Completions:
@@ -23,11 +23,7 @@ class Completions:
         if gen.stream:
             stream_response(resp, openai.completion_stream(events, meta), events, watcher, openai.error_event)
             return
-        try:
-            choices, finished = collect_choices(events)
-        finally:
-            events.close()
-            watcher.stop()
+        choices, finished = finish(events, watcher, collect_choices)
         if finished is None:
             client_gone(resp)
         else:

@@ -2,9 +2,8 @@
 from ..middleware import read_json
 from ..schemas.anthropic import parse_messages_request
 from ..schemas.anthropic_render import MessageReply, error_event, message_body, message_stream
-from ..schemas.chat import generation_request
-from . import begin, client_gone, stream_response
-from .chat import drain_generation, output_parser, plan_for
+from ..schemas.chat_render import drain
+from . import begin, client_gone, finish, stream_response
 
 
 class Messages:
@@ -14,16 +13,15 @@ class Messages:
 
     def on_post(self, req, resp):
         self._service.check_room()          # NOTE(overload): a full server says so before any work
-        request = parse_messages_request(read_json(req, self._max_body))
-        plan = plan_for(self._service, request)
-        events, watcher = begin(self._service, req, generation_request(request, plan))
-        parser = output_parser(request, plan)
-        reply = MessageReply(request.model or self._service.default_model, request.parallel_tool_calls)
-        if request.stream:
+        gen = parse_messages_request(read_json(req, self._max_body))
+        events, watcher = begin(self._service, req, gen)
+        parser = events.plan.parser()
+        reply = MessageReply(gen.model or self._service.default_model, gen.chat.parallel_tool_calls)
+        if gen.stream:
             frames = message_stream(reply, parser, events, events.prompt_tokens)
             stream_response(resp, frames, events, watcher, error_event)
             return
-        parsed, finished = drain_generation(events, watcher, parser)
+        parsed, finished = finish(events, watcher, lambda e: drain(parser, e))
         if finished is None:
             client_gone(resp)
         else:
@@ -38,6 +36,5 @@ class CountTokens:
         self._max_body = max_body
 
     def on_post(self, req, resp):
-        request = parse_messages_request(read_json(req, self._max_body), count_only=True)
-        plan = plan_for(self._service, request)
-        resp.media = {"input_tokens": self._service.count_tokens(generation_request(request, plan))}
+        gen = parse_messages_request(read_json(req, self._max_body), count_only=True)
+        resp.media = {"input_tokens": self._service.count_tokens(gen)}

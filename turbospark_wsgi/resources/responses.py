@@ -9,17 +9,15 @@ from dataclasses import dataclass
 
 from ..errors import ApiError, InvalidRequest, NotFound
 from ..middleware import read_json
-from ..schemas.chat import generation_request
-from ..schemas.responses import conversation, parse_responses
+from ..schemas.responses import parse_responses
 from ..schemas.responses_input import assistant_turn
 from ..schemas.responses_render import ResponseReply, ResponseStream, response_body
-from . import begin, client_gone, stream_response
-from .chat import output_parser, plan_for
+from . import begin, client_gone, finish, stream_response
 
 log = logging.getLogger("turbospark.http")
 
 # NOTE(params): the chat path names chat fields in its refusals; a Responses client sent these.
-_PARAMS = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text.format"}
+_PARAMS = {"messages": "input", "max_tokens": "max_output_tokens"}
 
 
 @dataclass(slots=True)
@@ -111,31 +109,25 @@ class Responses:
         # NOTE(order): the body and the stored history are checked before any model is resolved.
         request = parse_responses(read_json(req, self._max_body))
         parent = self._previous(request)
-        request.messages = conversation(request, parent.history() if parent else [])
-        plan, events, watcher = self._admit(req, request)
+        events, watcher = self._admit(req, request.generation(parent.history() if parent else []))
         reply = ResponseReply(request.model or self._service.default_model, request.echo)
-        parser = output_parser(request, plan)
+        parser = events.plan.parser()
         keep = self._keeper(request, parent)
         if request.stream:
             stream = ResponseStream(reply, parser, request.parallel_tool_calls, keep)
             stream_response(resp, stream.frames(events), events, watcher, stream.error_frame)
             return
-        try:
-            body = response_body(reply, parser, events, request.parallel_tool_calls)
-        finally:
-            events.close()
-            watcher.stop()
+        body = finish(events, watcher, lambda e: response_body(reply, parser, e, request.parallel_tool_calls))
         if body is None:
             client_gone(resp)
             return
         keep(body)
         resp.media = body
 
-    def _admit(self, req, request):
-        """(plan, events, watcher) as chat admits a request; refusals name the Responses fields."""
+    def _admit(self, req, gen):
+        """(events, watcher) as chat admits a request; refusals name the Responses fields."""
         try:
-            plan = plan_for(self._service, request)
-            return (plan, *begin(self._service, req, _generation(request, plan)))
+            return begin(self._service, req, gen)
         except ApiError as e:
             e.param = _PARAMS.get(e.param, e.param)
             raise
@@ -154,12 +146,6 @@ class Responses:
             if request.store:
                 self._store.put(body, request.input_messages + [assistant_turn(body["output"])], parent)
         return keep
-
-
-def _generation(request, plan):
-    gen = generation_request(request, plan)
-    gen.prompt_param = "input"
-    return gen
 
 
 class StoredResponse:

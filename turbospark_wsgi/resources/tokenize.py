@@ -2,8 +2,6 @@
 generation routes use it."""
 from ..middleware import read_json
 from ..schemas import tokenize
-from ..schemas.chat import ChatRequest, generation_request
-from .chat import plan_for
 
 
 class Tokenize:
@@ -12,11 +10,8 @@ class Tokenize:
         self._max_body = max_body
 
     def on_post(self, req, resp):
-        request = tokenize.parse_tokenize(read_json(req, self._max_body))
-        if isinstance(request, ChatRequest):
-            # NOTE(tokenize): the chat route's own planning, so count == its usage.prompt_tokens
-            request = generation_request(request, plan_for(self._service, request))
-        ids, max_len = self._service.tokenize(request)
+        # NOTE(tokenize): messages go through the chat route's own planning, so count == its usage.prompt_tokens
+        ids, max_len = self._service.tokenize(tokenize.parse_tokenize(read_json(req, self._max_body)))
         resp.media = tokenize.tokenize_body(ids, max_len)
 
 

@@ -1,43 +1,29 @@
-"""POST /v1/messages (Anthropic Messages API): the request body checked and turned into a MessagesRequest."""
+"""POST /v1/messages (Anthropic Messages API): the request body checked and turned into a GenerationRequest."""
 import json
-from dataclasses import dataclass, field
 
 from ..engine import SamplingParams
+from ..service import GenerationRequest
 from . import checks
 from .chat_messages import function_spec
 from .checks import fail
 from .document import encodable_value
-
-
-@dataclass(slots=True)
-class MessagesRequest:
-    """What a Messages request asks for; messages are already in chat-template form."""
-
-    messages: list
-    params: SamplingParams
-    max_tokens: int = 0
-    model: str | None = None
-    tools: list | None = None             # OpenAI-shaped tool dicts, as templates take them
-    tool_choice: str = "none"             # 'none' | 'auto' | 'required' | a tool name
-    parallel_tool_calls: bool = True
-    stream: bool = False
-    template_kwargs: dict = field(default_factory=dict)
-    thinking_budget: int | None = None    # thinking.budget_tokens when thinking is enabled
+from .tool_prompt import ChatPart
 
 
 def parse_messages_request(doc, count_only=False):
-    """The JSON body -> MessagesRequest; `count_only` (count_tokens) needs no max_tokens."""
+    """The JSON body -> GenerationRequest with a ChatPart; `count_only` (count_tokens) needs no max_tokens."""
     checks.typed(doc, dict, "body", "a JSON object")
-    max_tokens = 0 if count_only else checks.integer(doc, "max_tokens", 1, None)
-    if max_tokens is None:
+    max_tokens = None if count_only else checks.integer(doc, "max_tokens", 1, None)
+    if max_tokens is None and not count_only:
         fail("max_tokens", "max_tokens: Field required")
     messages = _system(doc.get("system")) + _messages(checks.require(doc, "messages"))
     tools = _tools(doc.get("tools"))
     choice, parallel = _tool_choice(doc.get("tool_choice"), tools)
-    return MessagesRequest(
-        messages=messages, params=_params(doc), max_tokens=max_tokens, model=_model(doc),
-        tools=tools if choice != "none" else None, tool_choice=choice, parallel_tool_calls=parallel,
-        stream=checks.boolean(doc, "stream"), **_thinking(doc.get("thinking"), max_tokens))
+    params, model, stream = _params(doc), _model(doc), checks.boolean(doc, "stream")
+    chat = ChatPart(messages, tools=tools if choice != "none" else None, tool_choice=choice,
+                    parallel_tool_calls=parallel, **_thinking(doc.get("thinking"), max_tokens))
+    return GenerationRequest(model=model, chat=chat, max_tokens=max_tokens, params=params, stream=stream,
+                             prompt_param="messages")
 
 
 def _model(doc):
@@ -181,7 +167,7 @@ def _tool_choice(value, tools):
 
 
 def _thinking(value, max_tokens):
-    """MessagesRequest fields for `thinking`: the template's enable_thinking and the budget."""
+    """ChatPart fields for `thinking`: the template's enable_thinking and the budget."""
     if value is None:
         return {}
     kind = value.get("type") if isinstance(value, dict) else None

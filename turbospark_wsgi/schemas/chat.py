@@ -1,53 +1,34 @@
-"""POST /v1/chat/completions: the request body checked and turned into a ChatRequest."""
-from dataclasses import dataclass, field
-
+"""POST /v1/chat/completions: the request body checked and turned into a GenerationRequest."""
 from ..engine import SamplingParams
 from ..service import GenerationRequest
 from . import checks
-from .chat_grammar import response_format_grammar, tool_call_grammar
+from .chat_grammar import response_format_grammar
 from .chat_messages import parse_messages, parse_tool_choice, parse_tools
 from .checks import fail
+from .tool_prompt import ChatPart
 
 REASONING_FORMATS = ("auto", "parsed", "deepseek", "none")
 MAX_CHOICES = 20
 SEED_LIMIT = 2 ** 64
 
 
-@dataclass(slots=True)
-class ChatRequest:
-    """What a chat request asks for, before any model is resolved."""
-
-    messages: list                        # template dicts (see chat_messages.parse_messages)
-    params: SamplingParams
-    model: str | None = None
-    max_tokens: int | None = None         # None: up to the end of the context
-    tools: list | None = None             # OpenAI tool dicts; None when no tools (or tool_choice 'none')
-    tool_choice: str = "none"             # 'none' | 'auto' | 'required' | a function name
-    parallel_tool_calls: bool = True
-    stream: bool = False
-    include_usage: bool = False
-    reasoning: bool = True                # split <think> out of the content
-    template_kwargs: dict = field(default_factory=dict)
-    n: int = 1
-    logprobs: int | None = None           # None: no logprobs; N: with the top N alternatives
-    grammar: dict | None = None           # response_format as a grammar spec
-
-
 def parse_chat(doc):
-    """The JSON body of a chat request -> ChatRequest; raises InvalidRequest naming the param."""
+    """The JSON body of a chat request -> GenerationRequest with a ChatPart; raises InvalidRequest
+    naming the param. Everything here needs no model."""
     checks.typed(doc, dict, "body", "a JSON object")
     messages = parse_messages(checks.require(doc, "messages"))
     tools = parse_tools(doc.get("tools"))
     choice = parse_tool_choice(doc.get("tool_choice"), tools)
     stream = checks.boolean(doc, "stream")
-    return ChatRequest(
-        n=checks.integer(doc, "n", 1, MAX_CHOICES, 1), logprobs=_logprobs(doc),
-        grammar=response_format_grammar(doc.get("response_format")),
-        messages=messages, params=sampling_params(doc), model=_model(doc),
-        max_tokens=_max_tokens(doc), tools=tools if choice != "none" else None, tool_choice=choice,
-        parallel_tool_calls=checks.boolean(doc, "parallel_tool_calls", True), stream=stream,
-        include_usage=_include_usage(doc, stream), reasoning=_reasoning(doc),
-        template_kwargs=_template_kwargs(doc))
+    n, logprobs = checks.integer(doc, "n", 1, MAX_CHOICES, 1), _logprobs(doc)
+    grammar = response_format_grammar(doc.get("response_format"))
+    params, model, max_tokens = sampling_params(doc), _model(doc), _max_tokens(doc)
+    chat = ChatPart(messages, tools=tools if choice != "none" else None, tool_choice=choice,
+                    parallel_tool_calls=checks.boolean(doc, "parallel_tool_calls", True), grammar=grammar)
+    include_usage = _include_usage(doc, stream)
+    chat.reasoning, chat.template_kwargs = _reasoning(doc), _template_kwargs(doc)
+    return GenerationRequest(model=model, chat=chat, max_tokens=max_tokens, params=params, stream=stream,
+                             include_usage=include_usage, n=n, logprobs=logprobs, prompt_param="messages")
 
 
 def sampling_params(doc):
@@ -116,16 +97,3 @@ def _template_kwargs(doc):
     if kwargs is None:
         return {}
     return dict(checks.typed(kwargs, dict, "chat_template_kwargs", "an object"))
-
-
-def generation_request(chat, plan):
-    """The service's GenerationRequest for a parsed chat (or messages) request and its OutputPlan."""
-    tool_grammar = tool_call_grammar(plan.tool_family, chat.tool_choice, chat.tools) if plan.assistant_prefix else None
-    return GenerationRequest(
-        model=chat.model, messages=plan.messages, tools=plan.tools, template_kwargs=chat.template_kwargs,
-        max_tokens=chat.max_tokens, params=chat.params, stream=chat.stream,
-        include_usage=getattr(chat, "include_usage", False), assistant_prefix=plan.assistant_prefix,
-        prompt_param="messages", n=getattr(chat, "n", 1), logprobs=getattr(chat, "logprobs", None),
-        grammar=tool_grammar or getattr(chat, "grammar", None),
-        grammar_param="tools" if tool_grammar else "response_format",   # the schemas the grammar is built from
-        thinking_budget=getattr(chat, "thinking_budget", None))

@@ -1,11 +1,12 @@
 """POST /v1/responses (OpenAI Responses API): the request body checked and turned into a
-ResponsesRequest, which the chat planning and `generation_request` take as they take a chat request.
+ResponsesRequest, whose `generation(history)` is the service's GenerationRequest with a ChatPart.
 
 Every check here needs no model, so it runs before one is resolved.
 """
 from dataclasses import dataclass, field
 
 from ..engine import SamplingParams
+from ..service import GenerationRequest
 from . import checks
 from .chat import sampling_params
 from .chat_grammar import json_grammar
@@ -14,6 +15,7 @@ from .checks import fail
 from .json_schema import check_schema
 from .openai import model_name
 from .responses_input import parse_input, with_tool_names
+from .tool_prompt import ChatPart
 
 EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 SUMMARIES = ("auto", "concise", "detailed")
@@ -27,13 +29,12 @@ _UNSUPPORTED = {            # fields whose presence asks for something this serv
 
 @dataclass(slots=True)
 class ResponsesRequest:
-    """What a Responses request asks for; `messages` is filled in once the history is known."""
+    """What a Responses request asks for; `generation(history)` once the stored history is known."""
 
     input_messages: list                  # this request's input as template dicts
     params: SamplingParams
     echo: dict                            # request fields every Response object repeats
     instructions: str | None = None
-    messages: list = field(default_factory=list)
     model: str | None = None
     max_tokens: int | None = None         # max_output_tokens; None: up to the end of the context
     tools: list | None = None             # chat-shaped tool dicts, as templates take them
@@ -45,6 +46,15 @@ class ResponsesRequest:
     reasoning: bool = True                # split <think> out as reasoning items
     template_kwargs: dict = field(default_factory=dict)
     grammar: dict | None = None           # text.format as a grammar spec
+
+
+    def generation(self, history):
+        """The service's GenerationRequest for this request after `history` (stored template dicts)."""
+        chat = ChatPart(conversation(self, history), tools=self.tools, tool_choice=self.tool_choice,
+                        parallel_tool_calls=self.parallel_tool_calls, reasoning=self.reasoning,
+                        template_kwargs=self.template_kwargs, grammar=self.grammar, grammar_param="text.format")
+        return GenerationRequest(model=self.model, chat=chat, max_tokens=self.max_tokens, params=self.params,
+                                 stream=self.stream, prompt_param="input")
 
 
 def parse_responses(doc):

@@ -9,17 +9,16 @@ Text is tokenized as /v1/completions does it (BOS where the model's own rule put
 add_special_tokens / add_special is false); messages as /v1/chat/completions does it, so `count`
 equals that route's `usage.prompt_tokens`.
 """
-from ..engine import SamplingParams
 from ..errors import InvalidRequest
 from ..service import GenerationRequest
-from .chat import ChatRequest
 from .chat_messages import parse_messages, parse_tool_choice, parse_tools
 from .common import expect_object, is_int, type_name
 from .openai import TOKEN_ID_LIMIT, add_special, model_name
+from .tool_prompt import ChatPart
 
 
 def parse_tokenize(doc):
-    """-> a GenerationRequest (text) or a ChatRequest (messages; the caller plans its template)."""
+    """-> a GenerationRequest: text, or messages as a ChatPart (the service plans its template)."""
     expect_object(doc)
     model = model_name(doc)
     if doc.get("messages") is not None:
@@ -27,9 +26,9 @@ def parse_tokenize(doc):
         choice = parse_tool_choice(doc.get("tool_choice"), tools)
         kwargs = doc.get("chat_template_kwargs") or {}
         expect_object(kwargs, "chat_template_kwargs")
-        return ChatRequest(messages=parse_messages(doc["messages"]), params=SamplingParams(), model=model,
-                           tools=tools if choice != "none" else None, tool_choice=choice,
-                           template_kwargs=dict(kwargs))
+        chat = ChatPart(parse_messages(doc["messages"]), tools=tools if choice != "none" else None,
+                        tool_choice=choice, template_kwargs=dict(kwargs))
+        return GenerationRequest(model=model, chat=chat, prompt_param="messages")
     key = "content" if "content" in doc else "prompt"
     text = doc.get(key)
     if not isinstance(text, str):

@@ -1,14 +1,41 @@
-"""How a chat request's tools and reasoning meet a model's template: family, fallback, forced prefix."""
-import json
-from dataclasses import dataclass
+"""The chat part of a GenerationRequest, and how its tools and reasoning meet a model's template:
+family, fallback, forced prefix, grammar and the output parser.
 
-from ..parsers import detect_family
+    chat = ChatPart(messages, tools=..., tool_choice=...)     # checked by the schemas, no model needed
+    plan = chat.plan(template_source)                         # the service, once the model is leased
+    parser = plan.parser()                                    # one per choice, for the resource
+"""
+import json
+from dataclasses import dataclass, field
+
+from ..parsers import OutputParser, detect_family
+from .chat_grammar import tool_call_grammar
 
 _FALLBACK_SYSTEM = (
     "You may call one or more functions to assist with the user query. The available functions are "
     "listed in <tools></tools>:\n<tools>\n{tools}\n</tools>\n\nTo call a function, reply with a JSON "
     "object inside <tool_call></tool_call> tags:\n<tool_call>\n{{\"name\": <function-name>, "
     "\"arguments\": <args-json-object>}}\n</tool_call>")
+
+
+@dataclass(slots=True)
+class ChatPart:
+    """The chat half of a GenerationRequest (chat, messages, responses, tokenize): what the model's
+    template renders and how the reply is read. Everything in it was checked without a model."""
+
+    messages: list                        # template dicts (see chat_messages.parse_messages)
+    tools: list | None = None             # OpenAI tool dicts; None when no tools (or tool_choice 'none')
+    tool_choice: str = "none"             # 'none' | 'auto' | 'required' | a function name
+    parallel_tool_calls: bool = True
+    reasoning: bool = True                # split <think> out of the content
+    template_kwargs: dict = field(default_factory=dict)
+    thinking_budget: int | None = None    # reasoning tokens before the think tag is closed (no grammar)
+    grammar: dict | None = None           # the response format as a grammar spec
+    grammar_param: str = "response_format"  # the request field that grammar came from
+
+    def plan(self, source):
+        """The OutputPlan against a model's chat template source."""
+        return plan_output(source, self)
 
 
 @dataclass(slots=True)
@@ -20,6 +47,15 @@ class OutputPlan:
     tool_family: str | None               # parser family; None: no tool calls parsed
     in_reasoning: bool                    # the generation prompt already opened <think>
     assistant_prefix: str = ""            # generated-text prefix forcing a tool call ('' when not forced)
+    reasoning: bool = True                # split <think> out of the content
+    grammar: dict | None = None           # the grammar the output must follow (a forced call's, else the format's)
+    grammar_param: str = "response_format"  # the request field blamed when the grammar cannot compile
+
+    def parser(self):
+        """A fresh OutputParser for one choice, already past the forced tool-call prefix."""
+        parser = OutputParser(reasoning=self.reasoning, in_reasoning=self.in_reasoning, tool_family=self.tool_family)
+        parser.feed(self.assistant_prefix)     # NOTE(tools): the prefix is output the model did not have to write
+        return parser
 
 
 def prompt_opens_reasoning(source):
@@ -28,18 +64,25 @@ def prompt_opens_reasoning(source):
     return "<think>" in tail and "</think>" not in tail
 
 
-def plan_output(source, messages, tools, tool_choice, reasoning=True):
-    """An OutputPlan for a template source and the parsed request's messages, tools and tool_choice."""
+def plan_output(source, chat):
+    """An OutputPlan for a template source and a ChatPart."""
     source = source or ""
-    in_reasoning = reasoning and prompt_opens_reasoning(source)
+    in_reasoning = chat.reasoning and prompt_opens_reasoning(source)
+    messages, tools = chat.messages, chat.tools
     if not tools:
-        return OutputPlan(messages, None, None, in_reasoning)
+        return OutputPlan(messages, None, None, in_reasoning, reasoning=chat.reasoning, grammar=chat.grammar,
+                          grammar_param=chat.grammar_param)
     family = detect_family(source)
     if "tools" not in source:
         # NOTE(tools): a template that never renders `tools` gets them in a Hermes-style system turn,
         # and the tool turns of the history written as Hermes text, instead of losing them silently.
         messages, tools, family = _fallback_messages(messages, tools), None, "hermes"
-    return OutputPlan(messages, tools, family, in_reasoning, forced_prefix(family, tool_choice))
+    prefix = forced_prefix(family, chat.tool_choice)
+    if prefix:      # NOTE(grammar): the schemas the forced call's grammar is built from are the tools'
+        grammar, param = tool_call_grammar(family, chat.tool_choice, chat.tools), "tools"
+    else:
+        grammar, param = chat.grammar, chat.grammar_param
+    return OutputPlan(messages, tools, family, in_reasoning, prefix, chat.reasoning, grammar, param)
 
 
 def forced_prefix(family, tool_choice):
