@@ -7,6 +7,10 @@ stream pins a gthread thread, so threads >= max_waiting + running + headroom.
 Shutdown: on SIGTERM a worker stops accepting, answers every queued request at once with 503
 "server shutting down" (an SSE error event for a stream already open), and lets running
 generations finish within graceful_timeout (TURBOSPARK_GRACEFUL_TIMEOUT).
+
+Reload: SIGHUP to the master re-reads TURBOSPARK_LIMITS_FILE in every worker, in place: nothing
+restarts, no stream or queued request is dropped. (gunicorn's own HUP would start new workers,
+load the model again and stop the old ones with SIGTERM, which answers their queued requests 503.)
 """
 import glob
 import logging
@@ -73,27 +77,51 @@ def _raise_open_files(wanted):
         resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
 
 
+def when_ready(server):
+    # NOTE(reload): gunicorn looks up `handle_hup` on the arbiter for each HUP; this one passes the
+    # signal on to the workers instead of replacing them (a new worker would load the model again).
+    def forward_hup():
+        server.log.info("Hang up: reloading the limits in every worker")
+        server.kill_workers(signal.SIGHUP)
+
+    server.handle_hup = forward_hup
+
+
 def post_worker_init(worker):
     """SIGTERM: the queue drops its waiters with a 503 at once, then gunicorn's own handler stops
-    accepting and waits for the running generation."""
+    accepting and waits for the running generation. SIGHUP: the limits file is read again."""
     previous = signal.getsignal(signal.SIGTERM)
+    signal.signal(signal.SIGHUP, lambda signum, frame: _off_handler(_reload_limits))
+    signal.siginterrupt(signal.SIGHUP, False)
 
     def on_term(signum, frame):
-        from turbospark_wsgi.compute import gevent_patched
         from turbospark_wsgi.queue import shut_down_all
 
         # NOTE(signals): the queue's lock is taken on a fresh thread, never inside the handler, which
         # may have interrupted a holder of that lock. Under gevent the handler runs in a hub callback,
         # where Thread.start() would block: spawn a greenlet instead.
-        if gevent_patched():
-            import gevent
-            gevent.spawn(shut_down_all)
-        else:
-            threading.Thread(target=shut_down_all, name="turbospark-shutdown", daemon=True).start()
+        _off_handler(shut_down_all)
         if callable(previous):
             previous(signum, frame)
 
     signal.signal(signal.SIGTERM, on_term)
+
+
+def _reload_limits():
+    from turbospark_wsgi.limits import reload_all
+
+    reload_all()
+
+
+def _off_handler(fn):
+    """Runs `fn` outside the signal handler, which may have interrupted a holder of a lock it needs."""
+    from turbospark_wsgi.compute import gevent_patched
+
+    if gevent_patched():
+        import gevent
+        gevent.spawn(fn)
+    else:
+        threading.Thread(target=fn, name="turbospark-signal", daemon=True).start()
 
 
 def child_exit(server, worker):

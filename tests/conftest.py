@@ -4,6 +4,9 @@ Importable without torch, numpy or a model file.
 """
 import math
 import os
+import shutil
+import socket
+import subprocess
 import threading
 import time
 from types import SimpleNamespace
@@ -200,3 +203,32 @@ def make_harness(tmp_path_factory):
 @pytest.fixture
 def client(harness):
     return harness.client()
+
+
+@pytest.fixture(scope="session")
+def redis_url(tmp_path_factory):
+    """A real redis-server on loopback for the session (skips without one: .ci/run installs it)."""
+    redis = pytest.importorskip("redis")
+    binary = shutil.which("redis-server")
+    if binary is None:
+        pytest.skip("redis-server absent")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                             "--dir", str(tmp_path_factory.mktemp("redis"))],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"redis://127.0.0.1:{port}/0"
+    client, deadline = redis.Redis.from_url(url), time.monotonic() + 10
+    while True:
+        try:
+            client.ping()
+            break
+        except redis.RedisError:
+            if time.monotonic() > deadline or proc.poll() is not None:
+                proc.kill()
+                pytest.skip("redis-server did not start")
+            time.sleep(0.05)
+    yield url
+    proc.terminate()
+    proc.wait(10)

@@ -1,50 +1,17 @@
 """TURBOSPARK_LIMITS_REDIS: two replicas (two apps, each its own service and queue) keep one key's
 counters in a real redis-server, so the key's limits hold across both; a replica that dies loses
 its places within a lease; Redis out of reach leaves requests served, unmetered."""
-import shutil
-import subprocess
 import threading
 import time
 import uuid
 
 import pytest
 
-from turbospark_wsgi import limits_redis
-from turbospark_wsgi.limits import Limits
-from turbospark_wsgi.limits_redis import RedisStore
-
 from test_limits import COMPLETION, KEYS, auth, rate_file, start
+from turbospark_wsgi.limits import Limits
 
-redis = pytest.importorskip("redis")
-
-
-@pytest.fixture(scope="module")
-def redis_url(tmp_path_factory):
-    binary = shutil.which("redis-server")
-    if binary is None:
-        pytest.skip("redis-server absent (.ci/run installs it)")
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                             "--dir", str(tmp_path_factory.mktemp("redis"))],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"redis://127.0.0.1:{port}/0"
-    client = redis.Redis.from_url(url)
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            client.ping()
-            break
-        except redis.RedisError:
-            if time.monotonic() > deadline or proc.poll() is not None:
-                proc.kill()
-                pytest.skip("redis-server did not start")
-            time.sleep(0.05)
-    yield url
-    proc.terminate()
-    proc.wait(10)
+limits_redis = pytest.importorskip("turbospark_wsgi.limits_redis")     # needs the redis package
+RedisStore = limits_redis.RedisStore
 
 
 def replicas(make_harness, tmp_path, redis_url, text, count=2, **config):
