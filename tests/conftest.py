@@ -87,7 +87,7 @@ class FakeEngine:
         """No constraint: the fake's reply is fixed (the real budget is tested on the engine)."""
         return None
 
-    def score(self, prompt_ids, top=0, should_stop=None):
+    def score(self, prompt_ids, top=0, should_stop=None, client=""):
         if not prompt_ids or len(prompt_ids) + 1 > self.max_context:
             raise ValueError("bad prompt length")
         lp, n = -math.log(self.config.vocab_size), len(prompt_ids)
@@ -100,10 +100,11 @@ class FakeEngine:
         yield Scores([(lp, [(t, lp) for t in range(min(top, self.config.vocab_size))])] * (n - 1))
         yield Finish("length", prompt_tokens=n)
 
-    def generate(self, prompt_ids, params, should_stop=None):
+    def generate(self, prompt_ids, params, should_stop=None, client=""):
         if not prompt_ids or len(prompt_ids) + 1 > self.max_context:
             raise ValueError("bad prompt length")
-        self.runs.append(SimpleNamespace(ids=list(prompt_ids), params=params, thread=threading.current_thread()))
+        self.runs.append(SimpleNamespace(ids=list(prompt_ids), params=params, client=client,
+                                         thread=threading.current_thread()))
         return self._run(list(prompt_ids), params, should_stop or (lambda: False))
 
     def _run(self, ids, params, should_stop):
@@ -152,7 +153,8 @@ class Harness:
             (root / f"{name}.gguf").write_bytes(b"GGUF")
         self.engines = {}           # model id -> FakeEngine (created on demand)
         self.loads = []
-        settings = dict(models_dir=str(root), model="fake", load_default=False, keepalive=0.05, max_batch=1)
+        settings = dict(models_dir=str(root), model="fake", load_default=False, keepalive=0.05, max_batch=1,
+                        max_paused=0)
         settings.update(config)
         self.config = Config(**settings)
         self.registry = Registry(self.config, loader=self.load)
@@ -163,7 +165,7 @@ class Harness:
             self.engines[name] = FakeEngine(name=name, **kw)
         return self.engines[name]
 
-    def load(self, path, device="auto", name=None, max_context=0, prefill_chunk=256, max_batch=1):
+    def load(self, path, device="auto", name=None, max_context=0, prefill_chunk=256, max_batch=1, max_paused=0):
         self.loads.append(path)
         if os.path.basename(path).startswith("broken"):
             raise ValueError("unsupported tensor type Q3_XX in blk.0.attn_q.weight")

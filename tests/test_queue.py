@@ -228,3 +228,41 @@ def test_one_client_is_plain_fifo():
     unnamed = LockQueue(max_waiting=8, slots=1)
     tickets = [unnamed.enqueue() for _ in range(4)]
     assert _holders_in_turn(unnamed, tickets) == tickets[1:]
+
+
+def _holding(tickets):
+    return [t.wait(0) for t in tickets]
+
+
+def test_a_second_client_takes_a_spare_place_at_once_up_to_its_share():
+    q = LockQueue(max_waiting=8, slots=4, spare=4)
+    burst = [q.enqueue(client="a") for _ in range(6)]
+    assert _holding(burst) == [True] * 4 + [False] * 2          # one client alone: as without spares
+    b = [q.enqueue(client="b") for _ in range(3)]
+    assert _holding(b) == [True, True, False]                   # half of the 4 slots, at once
+    c = [q.enqueue(client="c") for _ in range(3)]
+    assert _holding(c) == [True, True, False]                   # a third of the slots, rounded up
+    assert (q.running, q.depth) == (8, 4)                       # all 4 + 4 places held
+    burst[0].release()                                          # 7 hold, still over the slots: the
+    assert not any(_holding(burst[4:] + b[2:] + c[2:]))         # waiters' clients are at or over their share
+    for t in burst[1:4] + b[:2]:
+        t.release()
+    assert _holding(b[2:] + burst[4:]) == [True] * 3            # b and a are below their share again
+    assert not c[2].wait(0) and (q.running, q.depth) == (5, 1)  # c holds its 2 of 4 slots among 3 clients
+
+
+def test_spare_places_take_a_new_client_when_the_waiting_room_is_full():
+    q = LockQueue(max_waiting=2, slots=2, spare=2)
+    for _ in range(4):
+        q.enqueue(client="a")                                   # 2 running, 2 waiting: full for a
+    with pytest.raises(Overloaded):
+        q.enqueue(client="a")
+    assert q.enqueue(client="b").wait(0)                        # b is below its share: a spare place
+    with pytest.raises(Overloaded):
+        q.enqueue(client="b")                                   # b's share (1 of 2 slots) is taken
+
+
+def test_without_spare_places_a_new_client_waits_for_a_slot():
+    q = LockQueue(max_waiting=8, slots=2)
+    [q.enqueue(client="a") for _ in range(2)]
+    assert not q.enqueue(client="b").wait(0)

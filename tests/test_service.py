@@ -25,13 +25,14 @@ def request(**kw):
 # ---- config ----------------------------------------------------------------------------------
 
 def test_config_defaults_and_env():
-    assert Config().max_waiting == 16 and Config().threads == 16 + 8 + 4 and Config().model == "smollm2-135m-instruct"
+    assert Config().max_waiting == 16 and Config().threads == 16 + 8 + 8 + 4 and Config().model == "smollm2-135m-instruct"
     c = Config.from_env({"TURBOSPARK_MODELS": "~/m", "TURBOSPARK_MAX_WAITING": "3", "TURBOSPARK_DEVICE": "CPU",
                          "TURBOSPARK_API_KEYS": "a, b,,", "TURBOSPARK_QUEUE_TIMEOUT": "2.5",
-                         "TURBOSPARK_WORKER_CLASS": "gevent", "TURBOSPARK_PORT": "9000"})
+                         "TURBOSPARK_WORKER_CLASS": "gevent", "TURBOSPARK_PORT": "9000",
+                         "TURBOSPARK_MAX_PAUSED": "2"})
     assert c.models_dir == os.path.expanduser("~/m") and c.max_waiting == 3 and c.device == "cpu"
     assert c.api_keys == ("a", "b") and c.queue_timeout == 2.5 and c.worker_class == "gevent" and c.port == 9000
-    assert c.threads == 3 + 8 + 4
+    assert c.threads == 3 + 8 + 2 + 4 and c.max_paused == 2
 
 
 @pytest.mark.parametrize("env, words", [

@@ -21,8 +21,9 @@ class Config:
     MAX_WAITING (queued requests before 503), QUEUE_TIMEOUT (s, 0 = wait forever),
     MAX_BODY (bytes), MAX_CONTEXT (tokens, 0 = the model's), KEEPALIVE (s between SSE comments),
     API_KEYS (comma list; empty = open), API_KEY_FILE (one key per line, added to API_KEYS),
-    HOST, PORT, THREADS (0 = max_waiting + max_batch + 4), WORKER_CLASS (gthread|gevent), MAX_BATCH
-    (sequences decoded together, also the queue's running slots), PREFILL_CHUNK
+    HOST, PORT, THREADS (0 = max_waiting + max_batch + max_paused + 4), WORKER_CLASS (gthread|gevent),
+    MAX_BATCH (sequences decoded together, also the queue's running slots), MAX_PAUSED (sequences
+    kept paused beside the batch so another client's request starts at once; 0 = none), PREFILL_CHUNK
     (tokens per prefill step), CORS_ORIGINS (comma list or *; empty = no CORS headers),
     MODEL_MEMORY (bytes for loaded models, 0 = no budget), MAX_PROMPT_TOKENS (0 = the context),
     MAX_PROMPTS (prompts in one /v1/completions request), MAX_EMBEDDING_INPUTS (inputs in one
@@ -52,6 +53,7 @@ class Config:
     worker_class: str = "gthread"
     prefill_chunk: int = 128
     max_batch: int = 8
+    max_paused: int = 8
     cors_origins: tuple = ()
     model_memory: int = 0
     max_prompt_tokens: int = 0
@@ -74,7 +76,7 @@ class Config:
     def __post_init__(self):
         _check_choice("device", self.device, DEVICES)
         _check_choice("worker_class", self.worker_class, WORKER_CLASSES)
-        for name in ("max_waiting", "max_context", "threads", "model_memory", "max_prompt_tokens",
+        for name in ("max_waiting", "max_context", "threads", "max_paused", "model_memory", "max_prompt_tokens",
                      "max_tokens_cap", "responses_store_size", "responses_store_bytes"):
             _check_range(name, getattr(self, name), 0)
         for name in ("max_body", "port", "prefill_chunk", "max_batch", "max_prompts",
@@ -88,7 +90,7 @@ class Config:
         if not self.keepalive > 0:
             raise ConfigError(f"keepalive must be > 0 seconds, got {self.keepalive!r}")
         if not self.threads:
-            self.threads = self.max_waiting + self.max_batch + 4
+            self.threads = self.max_waiting + self.max_batch + self.max_paused + 4
         self.api_keys = tuple(self.api_keys) + read_key_file(self.api_key_file)
         self.cors_origins = tuple(self.cors_origins)
         if not self.replica_id:
@@ -131,8 +133,8 @@ def read_key_file(path):
 
 
 _ENV_NAMES = {"models_dir": "MODELS"}
-_INTS = {"max_waiting", "max_body", "max_context", "port", "threads", "prefill_chunk", "max_batch", "model_memory",
-         "max_prompt_tokens", "max_prompts", "max_embedding_inputs", "max_tokens_cap", "responses_store_size", "responses_store_bytes"}
+_INTS = {"max_waiting", "max_body", "max_context", "port", "threads", "prefill_chunk", "max_batch", "max_paused",
+         "model_memory", "max_prompt_tokens", "max_prompts", "max_embedding_inputs", "max_tokens_cap", "responses_store_size", "responses_store_bytes"}
 _FLOATS = {"queue_timeout", "keepalive", "max_generation_seconds", "graceful_timeout", "header_timeout",
            "body_timeout", "responses_store_ttl"}
 _LISTS = {"api_keys", "cors_origins"}

@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass, field
 
 from . import compute
-from .engine import Finish, FinishReason, Prefill, Scores, Token
+from .engine import Finish, FinishReason, Paused, Prefill, Scores, Token
 from .errors import ApiError, EngineError
 
 log = logging.getLogger("turbospark.service")
@@ -123,6 +123,7 @@ class Generation:
         self.model_id = engine.name
         self.plan = plan                          # a chat request's OutputPlan (its `parser()` reads the text)
         self.request_id = req.request_id
+        self._client = req.client
         self.prompt_tokens = len(ids)
         self.usage = None
         self.finish_reason = None
@@ -230,7 +231,8 @@ class Generation:
             return TextDelta(text)
         scored = []
         self._steps = yield from self._await(compute.submit(
-            self._engine.score, self._ids, self._params.logprobs, should_stop=self._cancel.is_set))
+            self._engine.score, self._ids, self._params.logprobs, should_stop=self._cancel.is_set,
+            client=self._client))
         while True:
             event = yield from self._await(compute.submit(next, self._steps, None))
             if event is None or isinstance(event, Finish) and event.reason == FinishReason.CANCELLED:
@@ -264,7 +266,7 @@ class Generation:
             return True
         self._completion_tokens, self._lp_pending = 0, []
         self._steps = yield from self._await(compute.submit(
-            self._engine.generate, self._ids, params, should_stop=self._cancel.is_set))
+            self._engine.generate, self._ids, params, should_stop=self._cancel.is_set, client=self._client))
         while True:
             event = yield from self._await(compute.submit(next, self._steps, None))
             if event is None:
@@ -352,7 +354,7 @@ class Generation:
                 yield TextDelta(event.text, self._take_logprobs(), i)   # logprobs: [] when nothing came
             self._account(completion, event.cached_tokens)
             yield Finished(event.reason, self.usage, event.stop_string, i, last)
-        elif not isinstance(event, Prefill):
+        elif not isinstance(event, (Prefill, Paused)):
             raise TypeError(f"unexpected engine event {event!r}")
 
     def _completion_count(self, finish):

@@ -24,7 +24,7 @@ REQUEST_SECONDS = Histogram("turbospark_request_duration_seconds",
                             "Request time until the last byte (streams: until the stream closed)",
                             ["route"], buckets=_LATENCY)
 QUEUE_WAITING = Gauge("turbospark_queue_waiting", "Requests waiting for the engine", multiprocess_mode="livesum")
-QUEUE_RUNNING = Gauge("turbospark_queue_running", "Generations running (up to max_batch per worker)",
+QUEUE_RUNNING = Gauge("turbospark_queue_running", "Generations running (up to max_batch + max_paused per worker)",
                       multiprocess_mode="livesum")
 QUEUE_SECONDS = Histogram("turbospark_queue_wait_seconds", "Time from admission to the start of generation",
                           ["model"], buckets=_LATENCY)

@@ -1,5 +1,7 @@
 """The process-wide lock queue: up to `slots` generations run (they share batched decode steps in
 the engine), up to `max_waiting` more wait, taking turns between clients (FIFO within a client).
+Up to `spare` more may hold at once, each for a client below its fair share of the `slots` (the
+engine pauses the sequences of a client above its share, so the newcomer starts at once).
 
     queue.check_room()                      # Overloaded at once when full (no place taken, no lock)
     ticket = queue.enqueue(cancel, client)  # Overloaded (503 + Retry-After) when the queue is full
@@ -75,27 +77,30 @@ class Ticket:
 
 
 class LockQueue:
-    """FIFO ticket lock with `slots` holders, a bound on waiters and an optional wait timeout (0 = none)."""
+    """FIFO ticket lock with `slots` holders (and `spare` more for fairness, see `_may_hold`), a
+    bound on waiters and an optional wait timeout (0 = none)."""
 
-    def __init__(self, max_waiting=16, timeout=0.0, retry_after=1, slots=1):
+    def __init__(self, max_waiting=16, timeout=0.0, retry_after=1, slots=1, spare=0):
         self.slots = max(1, int(slots))
+        self.spare = max(0, int(spare))
         self.max_waiting = max_waiting
         self.timeout = timeout
         self.retry_after = retry_after
         self._cond = None
-        self._tickets = deque()     # the first `slots` hold the lock; the rest wait in order
+        self._holders = []          # tickets holding the lock (granted, maybe not yet woken)
+        self._waiting = deque()     # the rest, in their turn order
         self.shutting_down = False
         _queues.add(self)
 
     @property
     def depth(self):
         """Requests waiting for their turn (not counting the running ones)."""
-        return max(len(self._tickets) - self.slots, 0)
+        return len(self._waiting)
 
     @property
     def running(self):
-        """Tickets holding (or about to take) a slot."""
-        return min(len(self._tickets), self.slots)
+        """Tickets holding a slot (more than `slots` while spare places serve other clients)."""
+        return len(self._holders)
 
     def shut_down(self):
         """Refuses new tickets and wakes every waiter, which leaves with Overloaded (503)."""
@@ -126,12 +131,13 @@ class LockQueue:
         with self._condition():
             if self.shutting_down:
                 raise _shutting_down(self.retry_after)
-            if self._full():
+            if self._full() and not self._may_hold(client):
                 raise self._busy()
             deadline = time.monotonic() + self.timeout if self.timeout else None
-            turn = sum(1 for t in self._tickets if t.client == client)
+            turn = sum(1 for t in self._tickets() if t.client == client)
             ticket = Ticket(self, deadline, client, turn)
-            self._tickets.insert(self._place(turn), ticket)
+            self._waiting.insert(self._place(turn), ticket)
+            self._grant()
         if cancel is not None:
             cancel.on_cancel(ticket.abandon)
         return ticket
@@ -150,15 +156,47 @@ class LockQueue:
         finally:
             ticket.release()
 
+    def _tickets(self):
+        yield from self._holders
+        yield from self._waiting
+
     def _place(self, turn):
-        """Where a ticket of `turn` goes: after the slot holders and every waiter not later than it."""
-        place = len(self._tickets)
-        while place > self.slots and self._tickets[place - 1].turn > turn:
+        """Where among the waiters a ticket of `turn` goes: after every waiter not later than it."""
+        place = len(self._waiting)
+        while place > 0 and self._waiting[place - 1].turn > turn:
             place -= 1
         return place
 
+    def _may_hold(self, client):
+        """Whether a ticket of `client` may take the lock now: a free slot, or a spare place while
+        `client` holds less than its fair share of the slots (`slots` / the clients with tickets).
+
+        NOTE(fair-share): waiters take turns, but a client whose streams fill every slot would still
+        hold them until one of its generations ends. A spare place lets another client in at once;
+        the engine's scheduler then runs each client's share of the batch and pauses the rest of the
+        first client's sequences (their K/V kept). One client alone never takes a spare place, so its
+        requests run and wait exactly as before."""
+        held = len(self._holders)
+        if held < self.slots:
+            return True
+        if held >= self.slots + self.spare:
+            return False
+        clients = {t.client for t in self._tickets()} | {client}
+        mine = sum(1 for t in self._holders if t.client == client)
+        return mine * len(clients) < self.slots
+
+    def _grant(self):
+        """Gives the lock to every waiter that may take it, in turn order (none once shutting down)."""
+        if self.shutting_down:
+            return
+        for ticket in list(self._waiting):
+            if self._may_hold(ticket.client):
+                self._waiting.remove(ticket)
+                self._holders.append(ticket)
+                ticket._state, ticket.acquired_at = _HOLDING, time.monotonic()
+
     def _full(self):
-        return len(self._tickets) >= self.slots and self.depth >= self.max_waiting
+        return len(self._holders) >= self.slots and self.depth >= self.max_waiting
 
     def _busy(self):
         return Overloaded(f"the server is busy: {self.depth} requests are already waiting",
@@ -180,9 +218,6 @@ class LockQueue:
                 if self.shutting_down:
                     self._drop(ticket)
                     raise _shutting_down(self.retry_after)
-                if self._holds(ticket):
-                    ticket._state, ticket.acquired_at = _HOLDING, time.monotonic()
-                    return True
                 now = time.monotonic()
                 if ticket._deadline is not None and now >= ticket._deadline:
                     self._drop(ticket)
@@ -193,14 +228,6 @@ class LockQueue:
                     return False
                 self._cond.wait(None if limit is None else limit - now)
 
-    def _holds(self, ticket):
-        for i, t in enumerate(self._tickets):
-            if i >= self.slots:
-                return False
-            if t is ticket:
-                return True
-        return False
-
     def _release(self, ticket, only_waiting=False):
         with self._condition():
             if ticket._state == _DONE or (only_waiting and ticket._state != _WAITING):
@@ -209,10 +236,10 @@ class LockQueue:
 
     def _drop(self, ticket):
         ticket._state = _DONE
-        try:
-            self._tickets.remove(ticket)
-        except ValueError:
-            pass
+        for tickets in (self._holders, self._waiting):
+            if ticket in tickets:
+                tickets.remove(ticket)
+        self._grant()
         self._cond.notify_all()
 
 

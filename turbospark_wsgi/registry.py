@@ -59,7 +59,7 @@ class Registry:
 
     With `config.model_memory` (bytes) set, loading a model first unloads idle models, least
     recently used first, until the estimated sizes fit; models held by a `Lease` stay.
-    `loader(path, device=, name=, max_context=, prefill_chunk=, max_batch=)` defaults to
+    `loader(path, device=, name=, max_context=, prefill_chunk=, max_batch=, max_paused=)` defaults to
     `turbospark_wsgi.engine.load_engine`; tests inject a fake.
     """
 
@@ -166,7 +166,7 @@ class Registry:
         try:
             engine = compute.run(self._loader_for(key), key, device=self._config.device, name=model_id,
                                  max_context=self._config.max_context, prefill_chunk=self._config.prefill_chunk,
-                                 max_batch=self._config.max_batch)
+                                 max_batch=self._config.max_batch, max_paused=self._config.max_paused)
         except Exception as e:     # noqa: BLE001 - any failure to load a file is that model's failure
             if isinstance(e, (ValueError, OSError, ImportError, KeyError)):
                 log.error("loading %s failed: %s", key, e)

@@ -85,7 +85,8 @@ class Service:
         self.registry = registry if registry is not None else Registry(config)
         self.limits = limits if limits is not None else Limits.from_config(config)
         self.queue = queue if queue is not None else LockQueue(config.max_waiting, config.queue_timeout,
-                                                                        slots=config.max_batch)
+                                                                        slots=config.max_batch,
+                                                                        spare=config.max_paused)
         self._loading_pid = None
         self._load_error = None
 

@@ -2,17 +2,19 @@
 
     engine = load_engine("model.gguf" or "hf_dir/", device="auto")
     ids = engine.encode(text, add_bos=engine.add_bos)     # BOS where the model asks for one
-    for event in engine.generate(ids, SamplingParams(...), should_stop=cancel.is_set):
-        ...   # Prefill, Token, then one Finish
+    for event in engine.generate(ids, SamplingParams(...), should_stop=cancel.is_set, client=key):
+        ...   # Prefill, Token (Paused while it waits for a row), then one Finish
 
 Each `next()` on the generator does at most one prefill chunk or one decode step, so a caller may
-drive it one step at a time from a compute thread. Up to `max_batch` runs of one Engine are alive at
-once and share decode steps (engine/scheduler.py); all of them are driven from that one thread.
+drive it one step at a time from a compute thread. Up to `max_batch` runs of one Engine share each
+decode step (engine/scheduler.py), and up to `max_paused` more wait paused beside them, the rows
+shared fairly between clients; all of them are driven from that one thread.
 """
-from .events import Finish, FinishReason, Prefill, Scores, Token
+from .events import Finish, FinishReason, Paused, Prefill, Scores, Token
 from .sampling import SamplingParams
 
-__all__ = ["Engine", "load_engine", "SamplingParams", "FinishReason", "Prefill", "Scores", "Token", "Finish"]
+__all__ = ["Engine", "load_engine", "SamplingParams", "FinishReason", "Paused", "Prefill", "Scores", "Token",
+           "Finish"]
 
 
 def __getattr__(name):  # keep `import turbospark_wsgi.engine` cheap: numpy/tokenizers load on first use

@@ -1,5 +1,5 @@
 """Engine: one loaded model, its tokenizer and chat template, and the scheduler that batches its runs
-over a prefix cache of up to `max_batch` KV caches."""
+over a prefix cache of up to `max_batch` + `max_paused` KV caches."""
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +21,7 @@ EMBED_PIECE = 512
 
 
 def load_engine(path, device="auto", *, name=None, max_context=0, prefill_chunk=DEFAULT_PREFILL_CHUNK,
-                max_batch=DEFAULT_MAX_BATCH):
+                max_batch=DEFAULT_MAX_BATCH, max_paused=0):
     """Loads a .gguf file or a Hugging Face directory; errors name the file and the problem."""
     loaded = load_model(path, device=device)
     if loaded.kind == "gguf":
@@ -29,7 +29,7 @@ def load_engine(path, device="auto", *, name=None, max_context=0, prefill_chunk=
     else:
         tokenizer = Tokenizer.from_hf_dir(path)
     return Engine(loaded, tokenizer, name=name, max_context=max_context, prefill_chunk=prefill_chunk,
-                  max_batch=max_batch)
+                  max_batch=max_batch, max_paused=max_paused)
 
 
 class Engine:
@@ -42,7 +42,7 @@ class Engine:
     embed_chunk_tokens = EMBED_PIECE        # tokens of inputs one compute-thread call embeds
 
     def __init__(self, loaded, tokenizer, *, name=None, max_context=0, prefill_chunk=DEFAULT_PREFILL_CHUNK,
-                 max_batch=DEFAULT_MAX_BATCH):
+                 max_batch=DEFAULT_MAX_BATCH, max_paused=0):
         self.loaded = loaded
         self.model = loaded.model
         self.config = loaded.config
@@ -58,7 +58,7 @@ class Engine:
         self._constraints = ConstraintCompiler(tokenizer, self.config.vocab_size)
         self.max_batch = max_batch
         self.pooling = _pooling(loaded)
-        self.scheduler = Scheduler(self.model, tokenizer, max_batch=max_batch,
+        self.scheduler = Scheduler(self.model, tokenizer, max_batch=max_batch, max_paused=max_paused,
                                    max_context=self.max_context, chunk=prefill_chunk)
 
     @property
@@ -137,23 +137,24 @@ class Engine:
         return ThinkingBudget(budget, self.encode(open_tag, add_bos=False), self.encode(close_tag, add_bos=False),
                               prompt_ids, self.config.vocab_size)
 
-    def generate(self, prompt_ids, params, should_stop=None):
+    def generate(self, prompt_ids, params, should_stop=None, client=""):
         """Events for one run (see engine/__init__). Runs that are alive at the same time share
-        decode steps; one `next()` runs at most one step when no event is waiting."""
+        decode steps, the batch's rows shared fairly between `client`s; one `next()` runs at most
+        one step when no event is waiting."""
         prompt_ids = [int(t) for t in prompt_ids]
         self._check_prompt(prompt_ids)
-        return self._run(prompt_ids, params, should_stop)
+        return self._run(prompt_ids, params, should_stop, client)
 
-    def _run(self, prompt_ids, params, should_stop):
-        return self._events(self.scheduler.add(prompt_ids, params, should_stop))
+    def _run(self, prompt_ids, params, should_stop, client=""):
+        return self._events(self.scheduler.add(prompt_ids, params, should_stop, client))
 
-    def score(self, prompt_ids, top=0, should_stop=None):
+    def score(self, prompt_ids, top=0, should_stop=None, client=""):
         """Events that score the prompt: Prefill progress and Scores (the log-probability of every
         prompt token given the ones before it, the first None), then Finish. Like `generate`, one
         `next()` runs at most one step, shared with the other runs, and `should_stop` cancels it."""
         prompt_ids = [int(t) for t in prompt_ids]
         self._check_prompt(prompt_ids)
-        return self._events(self.scheduler.add_scoring(prompt_ids, top, should_stop))
+        return self._events(self.scheduler.add_scoring(prompt_ids, top, should_stop, client))
 
     def _events(self, seq):
         try:

@@ -23,6 +23,12 @@ class Token:
 
 
 @dataclass(slots=True)
+class Paused:
+    """A step ran without this run: it waits for a row of the batch (its client holds more than
+    its share, or another prompt's chunk ran first). Nothing to send; the next step may run it."""
+
+
+@dataclass(slots=True)
 class Finish:
     reason: str
     text: str = ""           # held-back text released at the end (never part of a stop string)

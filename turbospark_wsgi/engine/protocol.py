@@ -32,7 +32,8 @@ class ChatTemplateSource(Protocol):
 @runtime_checkable
 class TextEngine(Protocol):
     """A generation model. Each `next()` on `generate` or `score` runs at most one step, on the
-    caller's (compute) thread; `should_stop` is polled before each step and cancels the run."""
+    caller's (compute) thread; `should_stop` is polled before each step and cancels the run;
+    `client` says whose run it is (the batch's rows are shared fairly between clients)."""
 
     kind: str               # "generation"
     capabilities: tuple     # the routes it serves: ("generation",), or ("generation", "embedding")
@@ -64,10 +65,11 @@ class TextEngine(Protocol):
                         close_tag: str = "</think>") -> Any:
         """A SamplingParams.constraint closing the think tag after `budget` reasoning tokens."""
 
-    def generate(self, prompt_ids: Sequence[int], params, should_stop=None) -> Iterator:
-        """Prefill progress, Tokens, then one Finish (engine.events)."""
+    def generate(self, prompt_ids: Sequence[int], params, should_stop=None, client: str = "") -> Iterator:
+        """Prefill progress, Tokens (Paused while it waits for a row of the batch), then one Finish
+        (engine.events)."""
 
-    def score(self, prompt_ids: Sequence[int], top: int = 0, should_stop=None) -> Iterator:
+    def score(self, prompt_ids: Sequence[int], top: int = 0, should_stop=None, client: str = "") -> Iterator:
         """Prefill progress and Scores for every prompt token (the first None), then one Finish."""
 
 

@@ -2,13 +2,14 @@
 sequence runs in a prefix-cache slot (prefix_cache.Slot), and only the scheduler changes a slot.
 
 Every call runs on one thread (the compute thread). `Scheduler.poll(seq)` returns the events that
-sequence has waiting; when it has none, it runs one step for every active sequence: one prefill
-chunk for the oldest sequence still prefilling, and one batched decode step for all the others.
-So requests that arrive while others decode join the running batch at the next step.
+sequence has waiting; when it has none, it runs one step for the sequences in the batch: one
+prefill chunk for the oldest one still prefilling, and one batched decode step for all the others.
+So requests that arrive while others decode join the running batch at the next step. The batch is
+up to `max_batch` sequences, shared fairly between clients; the others wait paused (`_batch`).
 """
 import numpy as np
 
-from .events import Finish, FinishReason, Prefill, Scores, Token
+from .events import Finish, FinishReason, Paused, Prefill, Scores, Token
 from .model import SMALL_WINDOW
 from .prefix_cache import Slot
 from .sampling import Sampler, SamplingParams, log_softmax, top_n
@@ -33,6 +34,7 @@ class Sequence:
         self.state, self.pending, self.completion = _PREFILL, None, 0
         self.events = [Prefill(self.cached, len(prompt))]
         self.error = None
+        self.client = ""        # whose run: the batch is shared fairly between clients
 
     @property
     def finished(self):
@@ -110,34 +112,38 @@ class Scoring(Sequence):
 
 
 class Scheduler:
-    """Up to `max_batch` sequences at once, each in its own slot; slots keep their K/V afterwards
-    so a new prompt goes to the free slot holding its longest reusable prefix."""
+    """Up to `max_batch` sequences run each step and up to `max_paused` more wait beside them,
+    each in its own slot; slots keep their K/V afterwards so a new prompt goes to the free slot
+    holding its longest reusable prefix."""
 
-    def __init__(self, model, tokenizer, *, max_batch, max_context, chunk):
+    def __init__(self, model, tokenizer, *, max_batch, max_context, chunk, max_paused=0):
         self.model, self.tokenizer = model, tokenizer
         self.max_batch, self.max_context, self.chunk = max_batch, max_context, chunk
+        self.max_slots = max_batch + max_paused
         self.slots, self.active = [], []
+        self.steps = 0              # steps run so far
         self._clock = 0             # acquisition counter, for least-recently-used slot reuse
 
-    def add(self, prompt, params, should_stop=None):
-        return self._start(Sequence, prompt, params, should_stop)
+    def add(self, prompt, params, should_stop=None, client=""):
+        return self._start(Sequence, prompt, params, should_stop, client)
 
-    def add_scoring(self, prompt, top, should_stop=None):
-        return self._start(Scoring, prompt, top, should_stop)
+    def add_scoring(self, prompt, top, should_stop=None, client=""):
+        return self._start(Scoring, prompt, top, should_stop, client)
 
-    def _start(self, kind, prompt, options, should_stop):
+    def _start(self, kind, prompt, options, should_stop, client):
         seq = kind(self.acquire(prompt), self.tokenizer, prompt, options, should_stop, self.chunk, self.max_context)
+        seq.client = client
         self.active.append(seq)
         return seq
 
     def acquire(self, prompt):
         """A free slot: the one holding the longest reusable prefix of `prompt`; without any, a new
-        slot while fewer than max_batch exist, else the least recently used (so a warm prefix
-        survives unrelated requests as long as it can)."""
+        slot while fewer than max_batch + max_paused exist, else the least recently used (so a warm
+        prefix survives unrelated requests as long as it can)."""
         free = [s for s in self.slots if not s.busy]
         best = max(free, key=lambda s: (s.reusable(prompt), -s.used), default=None)
         if best is None or best.reusable(prompt) == 0:
-            if len(self.slots) < self.max_batch:
+            if len(self.slots) < self.max_slots:
                 every_row = self.model.decode_exact
                 granule = 1 if every_row or (self.chunk > SMALL_WINDOW and self.model.rows_exact) else self.chunk
                 best = Slot(self.model.new_cache(self.max_context), granule, every_row)
@@ -145,26 +151,31 @@ class Scheduler:
             elif best is not None:
                 best = min(free, key=lambda s: s.used)
         if best is None:
-            raise RuntimeError(f"all {self.max_batch} sequence slots are busy")
+            raise RuntimeError(f"all {self.max_slots} sequence slots are busy")
         self._clock += 1
         best.busy, best.used = True, self._clock
         return best
 
     def poll(self, seq):
-        """The events `seq` has waiting, running one step first if it has none."""
+        """The events `seq` has waiting, running one step first if it has none; after a step that
+        left `seq` out (paused, or another prompt's chunk ran), one Paused."""
         if not seq.events and not seq.finished:
             self.step()
+            if not seq.events and not seq.finished:
+                seq.events.append(Paused())
         if seq.error is not None:
             raise seq.error
         out, seq.events = seq.events, []
         return out
 
     def step(self):
+        self.steps += 1
         for seq in self.active:
             if seq.should_stop():
                 seq.cancel()
-        decoding = [s for s in self.active if s.pending is not None]
-        prefilling = [s for s in self.active if s.state == _PREFILL]
+        batch = self._batch()
+        decoding = [s for s in batch if s.pending is not None]
+        prefilling = [s for s in batch if s.state == _PREFILL]
         try:
             if prefilling:
                 _isolated(prefilling[0], prefilling[0].prefill_chunk, self.model)
@@ -175,6 +186,30 @@ class Scheduler:
             raise
         finally:
             self.active = [s for s in self.active if not s.finished]
+
+    def _batch(self):
+        """The sequences that run this step: all, while they fit in `max_batch`; else each client's
+        fair share of the rows, dealt round-robin (one row per client per round, clients in the
+        order of their oldest sequence), each client's sequences in the order they came.
+
+        NOTE(fair-share): the others are paused: they keep their slot, its K/V and their pending
+        token, and go on when rows free up, so their output is what it would have been (batching
+        never changes a row, see model.decode_batch). A client with one sequence among another
+        client's many runs at the next step instead of after one of theirs ends; the queue gives
+        it the slot (LockQueue's spare places)."""
+        live = [s for s in self.active if not s.finished]
+        if len(live) <= self.max_batch:
+            return live
+        lanes = {}
+        for seq in live:
+            lanes.setdefault(seq.client, []).append(seq)
+        chosen, depth = set(), 0
+        while len(chosen) < self.max_batch:
+            for lane in lanes.values():
+                if depth < len(lane) and len(chosen) < self.max_batch:
+                    chosen.add(id(lane[depth]))
+            depth += 1
+        return [s for s in live if id(s) in chosen]
 
     def release(self, seq):
         """Ends `seq` (if still running) and frees its slot; idempotent."""
