@@ -4,8 +4,10 @@ without keys, for each client address), and a concurrency cap per model.
 
     limits = Limits.from_config(config)         # ConfigError for a bad file
     permit = limits.admit(api_key, address)     # RateLimited (429) when this client is over a limit
+    events = permit.call(service.run, ...)      # refused later (4xx, full queue): the request is given back
     permit.meter(events)                        # prompt tokens now, completion tokens as they come;
                                                 # settled, and the slot freed, when events close
+    permit.settle(tokens)                       # or, with no generation (embeddings): charged, freed
     permit.headers(anthropic)                   # x-ratelimit-* (and anthropic-ratelimit-*)
 
 NOTE(buckets): requests and tokens per minute are token buckets refilled continuously, empty to
@@ -211,8 +213,9 @@ class Limits:
                 return Subject(DEFAULT_NAME, "key:" + digest[:32], table.default)
         return Subject(DEFAULT_NAME, "addr:" + (address or ""), table.default)
 
-    def admit(self, api_key, address):
-        """A Permit for one generation, or RateLimited when the client is over one of its limits."""
+    def admit(self, api_key, address, anthropic=False):
+        """A Permit for one generation, or RateLimited when the client is over one of its limits
+        (with Anthropic's headers too when `anthropic`)."""
         if self.table.empty:
             return Permit(self, None)
         subject = self.subject(api_key, address)
@@ -221,7 +224,7 @@ class Limits:
         reason, levels, lease = self.store.admit(subject.bucket, subject.limit)
         if reason is not None:
             metrics.record_throttled(subject.name, reason)
-            raise refusal(subject, reason, levels)
+            raise refusal(subject, reason, levels, anthropic)
         return Permit(self, subject, levels, lease)
 
     def take_model(self, model):
@@ -253,11 +256,25 @@ class Permit:
             return {}
         return limit_headers(self.subject.limit, self.levels, anthropic)
 
+    def call(self, fn, *args):
+        """`fn(*args)`; when it raises (refused after admission: a 4xx, a full queue) the request
+        counts for nothing."""
+        try:
+            return fn(*args)
+        except BaseException:
+            self.refund()
+            raise
+
     def refund(self):
-        """The request was refused after admission (a 4xx, a full queue): it counts for nothing."""
         if self.levels is not None and not self._closed:
             self._closed = True
             self._limits.store.settle(self.subject.bucket, self.subject.limit, 0, -1, self._lease)
+
+    def settle(self, tokens):
+        """A request that generates nothing (embeddings): its tokens charged, its place freed."""
+        if self.levels is not None and not self._closed:
+            self._closed = True
+            self.levels = self._charge(tokens, "prompt", release=True) or self.levels
 
     def meter(self, events):
         """Charges `events`' prompt tokens now, its completion tokens as they are produced, settles
@@ -303,7 +320,7 @@ class Permit:
             self._charge(self._events.produced_tokens - self._charged, "completion", release=True)
 
 
-def refusal(subject, reason, levels):
+def refusal(subject, reason, levels, anthropic=False):
     """The 429 for a client over `reason`'s limit, with the headers of every limit it has."""
     limit, now = subject.limit, levels.now
     who = "this client" if subject.name == DEFAULT_NAME else f"the key '{subject.name}'"
@@ -322,7 +339,7 @@ def refusal(subject, reason, levels):
         wait = _next_day(now) - now
         what, kind = f"tokens per day: limit {limit.tokens_per_day}", "insufficient_quota"
     message = f"Rate limit reached for {who} on {what}. Please try again in {duration(wait)}."
-    return RateLimited(message, type=kind, retry_after=wait, headers=limit_headers(limit, levels, False))
+    return RateLimited(message, type=kind, retry_after=wait, headers=limit_headers(limit, levels, anthropic))
 
 
 def limit_headers(limit, levels, anthropic):

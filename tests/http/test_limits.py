@@ -103,6 +103,7 @@ def test_the_anthropic_route_answers_in_its_envelope_with_its_headers(make_harne
     assert refused.json == {"type": "error", "error": {"type": "rate_limit_error",
                                                        "message": refused.json["error"]["message"]}}
     assert refused.headers["Retry-After"] == "60"
+    assert refused.headers["anthropic-ratelimit-requests-remaining"] == "0"
     assert used > 0
 
 
@@ -121,6 +122,27 @@ def test_a_refused_request_does_not_count(make_harness, tmp_path):
     app.post_json("/v1/chat/completions", dict(CHAT, model="nope"), headers=auth("alice"), status=404)
     app.post_json("/v1/chat/completions", dict(CHAT, max_tokens=10_000), headers=auth("alice"), status=400)
     app.post_json("/v1/chat/completions", CHAT, headers=auth("alice"))
+
+
+def test_embeddings_count_a_request_and_their_tokens(make_harness, tmp_path):
+    from turbospark_wsgi.errors import InvalidRequest
+    from turbospark_wsgi.service import EmbeddingResult
+    h = limited(make_harness, tmp_path, rate_file(requests_per_minute=2, tokens_per_minute=100))
+    h.service.embed = lambda req: EmbeddingResult([[0.5, 0.5]], 7, "fake")
+    app = h.client()
+    resp = app.post_json("/v1/embeddings", {"model": "fake", "input": "Hi"}, headers=auth("alice"))
+    assert resp.json["usage"]["prompt_tokens"] == 7
+    assert resp.headers["x-ratelimit-remaining-requests"] == "1"
+    assert resp.headers["x-ratelimit-remaining-tokens"] == "93"
+
+    def refuse(req):
+        raise InvalidRequest("not an embedding model", param="model")
+    h.service.embed = refuse
+    app.post_json("/v1/embeddings", {"model": "fake", "input": "Hi"}, headers=auth("alice"), status=400)
+    h.service.embed = lambda req: EmbeddingResult([[0.5, 0.5]], 7, "fake")
+    app.post_json("/v1/embeddings", {"model": "fake", "input": "Hi"}, headers=auth("alice"))
+    refused = app.post_json("/v1/embeddings", {"model": "fake", "input": "Hi"}, headers=auth("alice"), status=429)
+    assert refused.json["error"]["code"] == "rate_limit_exceeded"
 
 
 def test_keys_not_listed_share_nothing_and_get_the_default(make_harness, tmp_path):
@@ -169,7 +191,7 @@ def test_tokens_settle_for_a_stream_cancelled_midway(make_harness, tmp_path):
     engine = h.engine("fake", reply="abcdefghijklmnopqrstuvwxyz")
     before = metrics.KEY_TOKENS.labels("alice", "completion")._value.get()
     status, headers, frames = start(h.app(), "/v1/completions", dict(COMPLETION, stream=True, max_tokens=20), "alice")
-    assert status.startswith("200")
+    assert status.startswith("200") and headers["x-ratelimit-limit-tokens"] == "1000"
     texts = []
     for frame in frames:
         texts += [p for p in frame.decode().split("\n\n") if p.startswith("data: {")]

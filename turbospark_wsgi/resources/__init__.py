@@ -25,13 +25,9 @@ def begin(service, req, gen):
     """Admits `gen` (eagerly: the client's limits, then the service) and starts a disconnect watcher
     on the client socket."""
     gen.request_id, gen.client = request_id(req), client_key(req)
-    permit = service.limits.admit(api_key(req), req.remote_addr)
+    permit = service.limits.admit(api_key(req), req.remote_addr, anthropic=req.path.startswith("/v1/messages"))
     cancel = CancelToken()
-    try:
-        events = service.run(gen, cancel)
-    except BaseException:
-        permit.refund()
-        raise
+    events = permit.call(service.run, gen, cancel)
     permit.meter(events)
     req.context.generation, req.context.limits = events, permit
     return events, DisconnectWatcher(req.env, cancel).start()
