@@ -6,6 +6,7 @@ import logging
 import falcon
 import falcon.media
 
+from . import refusal
 from .config import Config
 from .errors import (ApiError, EngineError, InvalidRequest, MethodNotAllowed, NotFound, PayloadTooLarge,
                      Unauthorized, UnsupportedMediaType)
@@ -50,12 +51,18 @@ def create_app(config=None, service=None):
         json.dumps, ensure_ascii=False, separators=(",", ":")))
     app.resp_options.media_handlers[falcon.MEDIA_JSON] = json_handler
     add_routes(app, service, config)
+    # NOTE(overload): the worker answers these routes' first refusal (a full server) from the head
+    refusal.install(service.check_room, config, REFUSED_WHEN_FULL, envelope_for)
     app.add_error_handler(Exception, _handle_unexpected)
     app.add_error_handler(falcon.HTTPError, _handle_http_error)
     app.add_error_handler(ApiError, _handle_api_error)
     if config.load_default:
         service.start_loading()
     return app
+
+
+# The POST routes whose first step is Service.check_room (see refusal.py).
+REFUSED_WHEN_FULL = ("/v1/completions", "/v1/chat/completions", "/v1/messages", "/v1/responses")
 
 
 def add_routes(app, service, config):

@@ -34,8 +34,7 @@ class RequestContext:
         self._body_timeout = body_timeout
 
     def process_request(self, req, resp):
-        given = req.get_header("x-request-id")
-        req.context.request_id = given if given and _REQUEST_ID.fullmatch(given) else new_request_id()
+        req.context.request_id = request_id_from(req.get_header("x-request-id"))
         req.context.started = time.monotonic()
         req.context.generation = None
         req.context.body_timeout = self._body_timeout
@@ -77,6 +76,10 @@ class ApiKeyAuth:
                                headers={"WWW-Authenticate": "Bearer"})
         if not key_matches(given, self._digests):
             raise Unauthorized("Incorrect API key provided", headers={"WWW-Authenticate": "Bearer"})
+
+    def accepts(self, key):
+        """True when a request presenting `key` (None: none) passes on a route that needs one."""
+        return not self._digests or bool(key) and key_matches(key, self._digests)
 
 
 def key_matches(given, digests):
@@ -123,17 +126,22 @@ class Cors:
         resp.complete = True        # NOTE(cors): skip auth and the responder; process_response still runs
 
     def process_response(self, req, resp, resource, req_succeeded):
-        origin = req.get_header("Origin")
+        for name, value in self.headers_for(req.get_header("Origin")):
+            if name == "vary":
+                resp.append_header(name, value)
+            else:
+                resp.set_header(name, value)
+
+    def headers_for(self, origin):
+        """The CORS headers of a response to a request from `origin` (None: not from a browser)."""
         if not self._origins or origin is None:
-            return
+            return []
         if self._any:
-            resp.set_header("Access-Control-Allow-Origin", "*")
-        elif origin.rstrip("/") in self._origins:
-            resp.set_header("Access-Control-Allow-Origin", origin)
-            resp.append_header("Vary", "Origin")
-        else:
-            return
-        resp.set_header("Access-Control-Expose-Headers", self.EXPOSE)
+            return [("access-control-allow-origin", "*"), ("access-control-expose-headers", self.EXPOSE)]
+        if origin.rstrip("/") in self._origins:
+            return [("access-control-allow-origin", origin), ("vary", "Origin"),
+                    ("access-control-expose-headers", self.EXPOSE)]
+        return []
 
 
 class BodyLimit:
@@ -279,13 +287,23 @@ def client_key(req):
 
 def api_key(req):
     """The API key the request presents (`Authorization: Bearer` or `x-api-key`), or None."""
-    return _bearer(req.get_header("Authorization")) or req.get_header("x-api-key")
+    return presented_key(req.get_header("Authorization"), req.get_header("x-api-key"))
+
+
+def presented_key(authorization, x_api_key):
+    """The API key of a request with these headers: `Authorization: Bearer KEY`, else `x-api-key`."""
+    return _bearer(authorization) or x_api_key or None
 
 
 def _bearer(header):
     if header and header[:7].lower() == "bearer ":
         return header[7:].strip()
     return None
+
+
+def request_id_from(given):
+    """A request's id: the client's `x-request-id` when it is a valid one, else a new id."""
+    return given if given and _REQUEST_ID.fullmatch(given) else new_request_id()
 
 
 def new_request_id():
@@ -298,12 +316,17 @@ def request_id(req):
 
 def log_access(req, resp):
     ctx = req.context
-    gen = getattr(ctx, "generation", None)
-    elapsed = (time.monotonic() - getattr(ctx, "started", time.monotonic())) * 1000
+    write_access(request_id(req), req.method, req.path, resp.status_code, getattr(ctx, "started", None),
+                 getattr(ctx, "generation", None), req.uri_template)
+
+
+def write_access(rid, method, path, status, started, gen=None, route=None):
+    """One access line and the request's metrics; `started`: its time.monotonic() (None: now)."""
+    elapsed = (time.monotonic() - (started or time.monotonic())) * 1000
     # NOTE(log-injection): the method, path and model come from the client; escaped, they cannot
     # start a line of their own or close the quotes around the request.
-    line = f'"{_quoted(req.method)} {_quoted(req.path)}"'
-    fields = [request_id(req), line, resp.status_code, f"{elapsed:.1f}ms"]
+    line = f'"{_quoted(method)} {_quoted(path)}"'
+    fields = [rid, line, status, f"{elapsed:.1f}ms"]
     if gen is not None:
         usage = gen.usage
         fields += [f"model={_token(gen.model_id)}",
@@ -313,7 +336,7 @@ def log_access(req, resp):
                    f"ttft_ms={_ms(gen.enqueued_at, gen.first_token_at)}",
                    f"finish={gen.finish_reason or '-'}"]
     access_log.info(" ".join(str(f) for f in fields))
-    metrics.record_request(req.uri_template, req.method, resp.status_code, elapsed / 1000, gen)
+    metrics.record_request(route, method, status, elapsed / 1000, gen)
 
 
 def _quoted(text):

@@ -1,14 +1,18 @@
 """gunicorn workers under which a slow client costs a buffer, not a worker thread.
 
 `ThreadWorker` (gthread): a request's head, and a Content-Length body up to TURBOSPARK_MAX_BODY,
-are read off the socket as they arrive, between trips back to the poller; a thread runs only once
-the request is all there. `GeventWorker`: a connection may idle for the keep-alive time, but once
-a request's first byte is in, its head must follow within TURBOSPARK_HEADER_TIMEOUT.
+are read off the socket by the worker's loop as they arrive; a thread runs only once the request
+is all there. `GeventWorker`: a connection may idle for the keep-alive time, but once a request's
+first byte is in, its head must follow within TURBOSPARK_HEADER_TIMEOUT.
+
+Under both, a full server's 503 to a generation request (refusal.py) is written as soon as the
+request's head is parsed: by the loop itself under gthread, before the environ is built under gevent.
 
 A head not complete within TURBOSPARK_HEADER_TIMEOUT, or a buffered body not complete within
 TURBOSPARK_BODY_TIMEOUT, gets a 408 and the connection is closed.
 """
 import contextlib
+import errno
 import heapq
 import itertools
 import json
@@ -17,22 +21,27 @@ import select
 import selectors
 import socket
 import time
+from concurrent import futures
+from functools import partial
 
-from gunicorn import util
+from gunicorn import SERVER, util
 from gunicorn.http.errors import NoMoreData
 from gunicorn.http2 import negotiation
 from gunicorn.workers import ggevent, gthread
 
 from .config import Config
+from .refusal import refusal
 
 _RECV = 256 * 1024
+LOG_DELAY = 0.5                             # seconds an early answer's access line may wait for a burst's end
 LINGER = 2.0                                # seconds a closed connection's input is drained, as gunicorn does
 _HEAD_END = re.compile(rb"\r?\n\r?\n")
 _CONTENT_LENGTH = re.compile(rb"\ncontent-length[ \t]*:[ \t]*([0-9]{1,15})[ \t]*(?=\r?\n)", re.IGNORECASE)
 _TRANSFER_ENCODING = re.compile(rb"\ntransfer-encoding[ \t]*:", re.IGNORECASE)
 _EXPECT = re.compile(rb"\nexpect[ \t]*:", re.IGNORECASE)
-_WAIT, _READY, _EXPIRED = "wait", "ready", "expired"
-_DEFER = gthread._DEFER                     # a handle() result: park the connection on the poller
+_REQUEST_LINE = re.compile(rb"([A-Z]{1,20}) (/[!-~]*) HTTP/1\.([01])\r\n")
+_FIELD = re.compile(rb"([!#$%&'*+.^_`|~0-9A-Za-z-]+):[ \t]*([!-~](?:[ -~\t]*[!-~])?)?[ \t]*\r\n")
+_WAIT, _READY, _EXPIRED, _CLOSED = "wait", "ready", "expired", "closed"
 
 
 class ThreadWorker(gthread.ThreadWorker):
@@ -49,35 +58,123 @@ class ThreadWorker(gthread.ThreadWorker):
         self.closing = []                   # heap (when, seq, socket): lingering closes to end
         self.lingering = set()
         self.seq = itertools.count()
+        self.unlogged = []                  # early answers sent on this turn of the loop, to log after it
 
-    def handle(self, conn):
-        if self.cfg.is_ssl or conn.is_http2 or negotiation.prior_knowledge_allowed(self.cfg, conn.client):
-            return super().handle(conn)
+    def wait_for_and_dispatch_events(self, timeout):
+        """One turn of the loop; the access lines of early answers wait for a turn that wrote none
+        (the end of a burst) or at most LOG_DELAY seconds, so that refusals go out first."""
+        logged = len(self.unlogged)
+        super().wait_for_and_dispatch_events(0 if logged else timeout)
+        if self.unlogged and (len(self.unlogged) == logged or self.unlogged[0].started + LOG_DELAY < time.monotonic()):
+            unlogged, self.unlogged = self.unlogged, []
+            for answer in unlogged:
+                answer.log()
+
+    def accept(self, listener):
+        """Accepts every connection waiting (up to worker_connections), not one per poller turn."""
+        name = listener.getsockname()
+        while self.nr_conns < self.worker_connections:
+            try:
+                client, addr = listener.accept()
+            except OSError as e:
+                if e.errno in (errno.EAGAIN, errno.ECONNABORTED, errno.EWOULDBLOCK):
+                    return
+                raise
+            self.nr_conns += 1
+            self.enqueue_req(gthread.TConn(self.cfg, client, addr, name))
+
+    def run(self):
+        try:
+            super().run()
+        finally:
+            for answer in self.unlogged:
+                answer.log()
+
+    def enqueue_req(self, conn):
+        """On the loop's thread: buffers what the socket holds; a worker thread gets only a request
+        that is all in (or a connection this worker does not buffer: TLS, HTTP/2)."""
+        if self.cfg.is_ssl or negotiation.prior_knowledge_allowed(self.cfg, conn.client):
+            return super().enqueue_req(conn)
         try:
             state = self.fill(conn)
         except OSError:
-            return False                    # reset while buffering: nothing to answer
+            return self.done(conn, False)   # reset while buffering: nothing to answer
         if state is _WAIT:
-            return _DEFER                   # back to the poller until more bytes arrive
+            return self.park(conn)          # on the poller until more bytes arrive
+        if state is _CLOSED:
+            self.nr_conns -= 1              # the client closed between requests: nothing to answer
+            return util.close(conn.sock)
         if state is _EXPIRED:
             self.refuse(conn)
-            return False
-        return super().handle(conn)
+            return self.done(conn, False)
+        if self.answer_early(conn):
+            return None
+        conn.parser.unreader.unread(bytes(conn.pending))
+        conn.pending, conn.deadline = bytearray(), None
+        return super().enqueue_req(conn)
 
     def fill(self, conn):
-        """Reads what the socket holds now into `conn.pending`; hands it to the parser when whole."""
+        """Reads what the socket holds now into `conn.pending`; _READY once it holds a whole request."""
         if not hasattr(conn, "pending"):
             conn.pending, conn.deadline = bytearray(), None
             conn.init()
         pending = conn.pending
         pending += take_buffered(conn.parser.unreader)
         eof = read_available(conn.sock, pending)
-        state = _READY if eof else self.check(conn)
-        if state is not _READY:
-            return state
-        conn.parser.unreader.unread(bytes(pending))
+        if eof:
+            return _READY if pending else _CLOSED
+        return self.check(conn)
+
+    def park(self, conn):
+        """Waits on the poller for more of the request, under its head or body deadline."""
+        conn.sock.setblocking(False)
+        conn.timeout = time.monotonic() + self.cfg.keepalive
+        self.pending_conns.append(conn)
+        self.poller.register(conn.sock, selectors.EVENT_READ, partial(self.on_pending_socket_readable, conn))
+        conn.parked = self.alive
+        if conn.deadline:
+            heapq.heappush(self.deadlines, (conn.deadline[1], next(self.seq), conn.deadline, conn))
+
+    def done(self, conn, keepalive):
+        """Ends a request the loop answered (or dropped) itself, as a worker thread's would end."""
+        fs = futures.Future()
+        fs.set_result(keepalive)
+        if keepalive and conn.parser.unreader.buf.getbuffer().nbytes:
+            # NOTE(pipelining): finish_request dispatches the next buffered request, which may be
+            # answered here again: on the loop's next turn, so that no chain of them recurses.
+            self.method_queue.defer(self.finish_request, conn, fs)
+        else:
+            self.finish_request(conn, fs)
+
+    def answer_early(self, conn):
+        """Writes a full server's 503 for the buffered request when refusal() has one; True if it did."""
+        early = refusal()
+        pending = conn.pending
+        head_end = find_head_end(pending)
+        head = early and head_end > 0 and parse_head(pending[:head_end], self.cfg)
+        if not head:
+            return False
+        method, path, version, fields = head
+        answer = early.answer(method, path, fields)
+        if answer is None:
+            return False
+        end = head_end + (body_length(pending[:head_end]) or 0)
+        keepalive = (self.alive and version == 1 and len(self.keepalived_conns) < self.max_keepalived
+                     and not wants_close(fields))
+        data = response_bytes(answer, version, keepalive)
+        try:
+            sent = conn.sock.send(data, socket.MSG_DONTWAIT)
+        except OSError:
+            sent = -1
+        self.unlogged.append(answer)
+        if sent != len(data):
+            keepalive = False               # a client that does not read its answers loses its connection
+        rest = bytes(pending[end:])
         conn.pending, conn.deadline = bytearray(), None
-        return _READY
+        if keepalive and rest:
+            conn.parser.unreader.unread(rest)   # a pipelined request: finish_request dispatches it
+        self.done(conn, keepalive)
+        return True
 
     def check(self, conn):
         """Whether `conn.pending` holds a whole request (_READY), needs more (_WAIT) or is late."""
@@ -106,10 +203,6 @@ class ThreadWorker(gthread.ThreadWorker):
             self.linger(conn.sock)
             return
         super().finish_request(conn, fs)
-        conn.parked = result is _DEFER and self.alive
-        deadline = getattr(conn, "deadline", None)
-        if conn.parked and deadline:
-            heapq.heappush(self.deadlines, (deadline[1], next(self.seq), deadline, conn))
 
     def on_pending_socket_readable(self, conn, client):
         conn.parked = False
@@ -199,7 +292,18 @@ class GeventWorker(ggevent.GeventWorker):
         entry = self.connections.get(gevent.getcurrent())
         if entry is not None:
             entry[1] = req.unreader
-        return super().handle_request(listener_name, req, sock, addr)
+        early = refusal()
+        answer = early and early.answer(req.method, req.path, req.headers)
+        if not answer:
+            return super().handle_request(listener_name, req, sock, addr)
+        keepalive = self.alive and self.cfg.keepalive and req.version == (1, 1) and not req.should_close()
+        try:
+            sock.sendall(response_bytes(answer, req.version[1], keepalive))
+        finally:
+            answer.log()
+        if not keepalive:
+            raise StopIteration()
+        return None
 
     @contextlib.contextmanager
     def timeout_ctx(self):
@@ -277,6 +381,38 @@ def body_length(head):
         return None
     lengths = {m.group(1) for m in _CONTENT_LENGTH.finditer(head)}
     return int(lengths.pop()) if len(lengths) == 1 else None
+
+
+def parse_head(head, cfg):
+    """(method, path, minor version, [(name, value)]) of a plain HTTP/1.x request head within the
+    server's limits; None for anything else (the server's own parser then answers it)."""
+    head = bytes(head[2:] if head[:2] == b"\r\n" else head)
+    line = _REQUEST_LINE.match(head)
+    if line is None or 0 < cfg.limit_request_line < line.end() - 2:
+        return None
+    fields, pos, end = [], line.end(), len(head) - 2
+    while pos < end:
+        field = _FIELD.match(head, pos)
+        if field is None or 0 < cfg.limit_request_field_size < field.end() - pos:
+            return None
+        fields.append((field.group(1).decode("ascii"), (field.group(2) or b"").decode("ascii")))
+        pos = field.end()
+    if pos != end or head[end:] != b"\r\n" or 0 < cfg.limit_request_fields < len(fields):
+        return None
+    path = line.group(2).decode("ascii").partition("?")[0]
+    return line.group(1).decode("ascii"), path, int(line.group(3)), fields
+
+
+def wants_close(fields):
+    return any(name.lower() == "connection" and "close" in value.lower() for name, value in fields)
+
+
+def response_bytes(answer, version, keepalive):
+    """An early Answer as gunicorn would frame it (status line, Server, Date, Connection)."""
+    head = [f"HTTP/1.{version} {answer.status}", f"Server: {SERVER}", f"Date: {util.http_date()}",
+            f"Connection: {'keep-alive' if keepalive else 'close'}"]
+    head += [f"{name}: {value}" for name, value in answer.headers]
+    return ("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + answer.body
 
 
 def readable(sock, timeout):
