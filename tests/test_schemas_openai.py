@@ -190,8 +190,11 @@ def test_stop_may_be_a_string_and_unknown_fields_are_tolerated():
 
 
 def test_model_is_optional_and_include_usage_needs_stream():
-    req, _ = openai.parse_completion({"prompt": "hi", "stream_options": {"include_usage": True}})
+    req, _ = openai.parse_completion({"prompt": "hi"})
     assert req.model is None and not req.include_usage
+    with pytest.raises(InvalidRequest) as e:        # as OpenAI answers it, and as chat does
+        openai.parse_completion({"prompt": "hi", "stream_options": {"include_usage": True}})
+    assert e.value.param == "stream_options"
     req, _ = parse(prompt="hi", stream=True, stream_options={"include_usage": True})
     assert req.stream and req.include_usage
 

@@ -1,9 +1,8 @@
 """POST /v1/messages (Anthropic Messages API): the request body checked and turned into a GenerationRequest."""
 import json
 
-from ..engine import SamplingParams
 from ..service import GenerationRequest
-from . import checks
+from . import checks, common
 from .chat_messages import function_spec
 from .checks import fail
 from .document import encodable_value
@@ -13,29 +12,18 @@ from .tool_prompt import ChatPart
 def parse_messages_request(doc, count_only=False):
     """The JSON body -> GenerationRequest with a ChatPart; `count_only` (count_tokens) needs no max_tokens."""
     checks.typed(doc, dict, "body", "a JSON object")
-    max_tokens = None if count_only else checks.integer(doc, "max_tokens", 1, None)
+    max_tokens = None if count_only else common.max_tokens(doc)
     if max_tokens is None and not count_only:
         fail("max_tokens", "max_tokens: Field required")
     messages = _system(doc.get("system")) + _messages(checks.require(doc, "messages"))
     tools = _tools(doc.get("tools"))
     choice, parallel = _tool_choice(doc.get("tool_choice"), tools)
-    params, model, stream = _params(doc), _model(doc), checks.boolean(doc, "stream")
+    params = common.sampling_params(doc, common.ANTHROPIC)
+    model, stream = common.model_name(doc), checks.boolean(doc, "stream")
     chat = ChatPart(messages, tools=tools if choice != "none" else None, tool_choice=choice,
                     parallel_tool_calls=parallel, **_thinking(doc.get("thinking"), max_tokens))
     return GenerationRequest(model=model, chat=chat, max_tokens=max_tokens, params=params, stream=stream,
                              prompt_param="messages")
-
-
-def _model(doc):
-    model = doc.get("model")
-    return checks.typed(model, str, "model", "a string") if model is not None else None
-
-
-def _params(doc):
-    return SamplingParams(
-        max_new_tokens=0, temperature=float(checks.number(doc, "temperature", 0, 1, 1.0)),
-        top_p=float(checks.number(doc, "top_p", 0.0001, 1, 1.0)),
-        top_k=checks.integer(doc, "top_k", 0, None, 0), stop=checks.stop_list(doc, "stop_sequences"))
 
 
 def _system(system):

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from ..parsers import CONTENT, REASONING, CallArgs, ToolCall, collect
 from .. import sse
 from ..service import Finished, KeepAlive, TextDelta
+from .openai import usage_body
 
 
 def _fingerprint(model):
@@ -29,9 +30,8 @@ class ChatReply:
 
 
 def usage_dict(usage):
-    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
-            "total_tokens": usage.prompt_tokens + usage.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
+    """Completions' usage body plus the prompt tokens the prefix cache served."""
+    return {**usage_body(usage), "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
 
 
 def finish_reason(reason, has_calls):

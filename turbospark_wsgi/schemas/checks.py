@@ -1,5 +1,6 @@
-"""Field checkers for the chat and messages schemas; each failure names its `param`. Numbers, booleans
-and logit_bias are common.py's checks, so every API refuses the same values."""
+"""Field checkers for the chat, messages and responses schemas; each failure names its `param`.
+Numbers and booleans are common.py's checks, so every API refuses the same values; the fields the
+generation APIs share (sampling, stop, model, max_tokens, n) are parsed by common.py alone."""
 from ..errors import InvalidRequest
 from . import common
 
@@ -34,20 +35,3 @@ def typed(value, kind, param, what):
     if not isinstance(value, kind):
         fail(param, f"'{param}' must be {what}.")
     return value
-
-
-def stop_list(doc, key, max_items=16):
-    value = doc.get(key)
-    if value is None:
-        return ()
-    items = [value] if isinstance(value, str) else value
-    if not isinstance(items, list) or len(items) > max_items:
-        fail(key, f"'{key}' must be a string or a list of at most {max_items} strings.")
-    for item in items:
-        if not isinstance(item, str) or not item:
-            fail(key, f"'{key}' entries must be non-empty strings.")
-    return tuple(items)
-
-
-def logit_bias(doc, key="logit_bias"):
-    return common.logit_bias(doc, key)

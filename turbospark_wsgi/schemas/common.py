@@ -1,9 +1,20 @@
-"""Field checkers shared by the API schemas; each refusal is an InvalidRequest naming its param."""
-import math
+"""Field checkers shared by the API schemas; each refusal is an InvalidRequest naming its param.
 
+One parser per field: /v1/completions, /v1/chat/completions, /v1/messages and /v1/responses read
+`model`, `max_tokens`, `n`, the sampling fields, `stop` and `stream_options` here, each API passing
+its own bounds (Anthropic's temperature <= 1, its `stop_sequences`) as arguments.
+"""
+import math
+from dataclasses import dataclass
+
+from ..engine import SamplingParams
 from ..errors import InvalidRequest
 
 INT_LIMIT = 2 ** 63           # bigger integers are refused before they reach arithmetic
+MAX_TOKENS_LIMIT = 2 ** 31 - 1
+TOKEN_ID_LIMIT = 2 ** 31
+MAX_CHOICES = 20              # n
+MAX_TOP_LOGPROBS = 20         # logprobs (completions), top_logprobs (chat, responses)
 
 
 def type_name(value):
@@ -128,6 +139,77 @@ def logit_bias(doc, name="logit_bias", max_items=1024):
             raise InvalidRequest(f"'{name}' keys must be token ids, got {key!r}", param=name)
         out[int(key)] = opt_number({name: bias}, name, 0.0, -100, 100)
     return out
+
+
+# ---- the fields every generation API shares --------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class SamplingBounds:
+    """What one API accepts of the shared sampling fields."""
+
+    temperature_max: float = 2.0
+    top_p_min: float = 0.0
+    stop: str = "stop"                    # the field holding the stop strings
+    extensions: bool = True               # min_p, penalties, logit_bias and seed (local-server extensions)
+
+
+OPENAI = SamplingBounds()
+ANTHROPIC = SamplingBounds(temperature_max=1.0, top_p_min=0.0001, stop="stop_sequences", extensions=False)
+
+
+def sampling_params(doc, bounds=OPENAI, max_tokens=0):
+    """The sampling fields -> SamplingParams. top_p 0 is greedy; top_k -1 or 0 is off (vLLM's -1)."""
+    temperature = opt_number(doc, "temperature", 1.0, 0, bounds.temperature_max)
+    top_p = opt_number(doc, "top_p", 1.0, bounds.top_p_min, 1)
+    if top_p == 0:
+        top_p, temperature = 1.0, 0.0       # NOTE(top_p): keeping no mass means keeping the top token
+    top_k = max(opt_int(doc, "top_k", 0, lo=-1, hi=TOKEN_ID_LIMIT), 0)
+    stop = stop_strings(doc, bounds.stop)
+    if not bounds.extensions:
+        return SamplingParams(max_new_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                              stop=stop)
+    return SamplingParams(
+        max_new_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+        min_p=opt_number(doc, "min_p", 0.0, 0, 1), repetition_penalty=repetition_penalty(doc),
+        presence_penalty=opt_number(doc, "presence_penalty", 0.0, -2, 2),
+        frequency_penalty=opt_number(doc, "frequency_penalty", 0.0, -2, 2),
+        logit_bias=logit_bias(doc), seed=seed_value(doc), stop=stop)
+
+
+def repetition_penalty(doc, name="repetition_penalty"):
+    """A penalty in (0, 10]: 1 is off (vLLM's bounds, with an upper one)."""
+    value = opt_number(doc, name, 1.0, 0, 10)
+    if value <= 0:
+        raise InvalidRequest(f"'{name}' must be greater than 0", param=name)
+    return value
+
+
+def model_name(doc):
+    """`model`: None (the default model) or a non-empty name."""
+    name = opt_str(doc, "model", None, max_len=4096)
+    if name is not None and not name.strip():
+        raise InvalidRequest("'model' must not be empty", param="model")
+    return name
+
+
+def max_tokens(doc, name="max_tokens", lo=1, default=None):
+    """A token budget in [lo, 2^31 - 1], or `default` when absent."""
+    return opt_int(doc, name, default, lo=lo, hi=MAX_TOKENS_LIMIT)
+
+
+def choice_count(doc, name="n"):
+    return opt_int(doc, name, 1, lo=1, hi=MAX_CHOICES)
+
+
+def include_usage(doc, stream):
+    """`stream_options.include_usage`; stream_options without `stream` is a 400, as OpenAI answers it."""
+    options = doc.get("stream_options")
+    if options is None:
+        return False
+    if not stream:
+        raise InvalidRequest("'stream_options' is only allowed when 'stream' is true", param="stream_options")
+    expect_object(options, "stream_options")
+    return opt_bool(options, "include_usage", False)
 
 
 def anthropic_error_body(exc):

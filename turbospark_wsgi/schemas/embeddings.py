@@ -12,8 +12,8 @@ import struct
 
 from ..errors import InvalidRequest
 from ..service import EmbeddingRequest
-from .common import expect_object, is_int, opt_int, opt_str, truncate_prompt_tokens, type_name
-from .openai import TOKEN_ID_LIMIT, model_name
+from .common import (TOKEN_ID_LIMIT, expect_object, is_int, model_name, opt_int, opt_str, truncate_prompt_tokens,
+                     type_name)
 
 ENCODING_FORMATS = ("float", "base64")
 _INPUT_SHAPES = "a string, an array of strings, an array of token ids or an array of token-id arrays"

@@ -1,20 +1,18 @@
 """OpenAI wire format: /v1/completions requests and responses, plus the helpers every OpenAI
-route shares (ids, usage, error envelope, model objects, sampling fields)."""
+route shares (ids, usage, error envelope, model objects). The fields the generation APIs share are
+common.py's."""
 import secrets
 import time
 from dataclasses import dataclass
 
 from .. import sse
-from ..engine import SamplingParams
 from ..errors import InvalidRequest
 from ..service import ChoiceResult, Finished, GenerationRequest, KeepAlive, TextDelta
-from .common import (expect_object, is_int, logit_bias, opt_bool, opt_int, opt_number, opt_str, seed_value,
-                     stop_strings, truncate_prompt_tokens, type_name)
+from .common import (MAX_TOP_LOGPROBS, TOKEN_ID_LIMIT, choice_count, expect_object, include_usage, is_int,
+                     max_tokens as token_budget, model_name, opt_bool, opt_int, sampling_params, truncate_prompt_tokens,
+                     type_name)
 
 DEGRADATION_HEADER = "x-anyllm-degradation"
-MAX_TOKENS_LIMIT = 2 ** 31 - 1
-TOKEN_ID_LIMIT = 2 ** 31
-MAX_CHOICES = 20                # n
 MAX_BEST_OF = 20
 MAX_PROMPTS = 16                # prompts in one /v1/completions request (TURBOSPARK_MAX_PROMPTS)
 
@@ -48,12 +46,12 @@ def parse_completion(doc, max_prompts=MAX_PROMPTS):
         raise InvalidRequest("suffix (fill-in-the-middle) is not supported", param="suffix")
     n, best_of = choice_counts(doc)
     echo = opt_bool(doc, "echo", False)
-    max_tokens = opt_int(doc, "max_tokens", 16, hi=MAX_TOKENS_LIMIT)
-    if max_tokens < 0 or (max_tokens == 0 and not echo):
+    max_tokens = token_budget(doc, lo=0, default=16)
+    if max_tokens == 0 and not echo:
         # NOTE(echo): max_tokens 0 with echo means "score the prompt only" (lm-eval loglikelihood)
         raise InvalidRequest("max_tokens must be greater than 0 (0 is allowed only with echo)", param="max_tokens")
-    params = sampling_params(doc, max_tokens)
-    logprobs = opt_int(doc, "logprobs", None, lo=0, hi=20)
+    params = sampling_params(doc, max_tokens=max_tokens)
+    logprobs = opt_int(doc, "logprobs", None, lo=0, hi=MAX_TOP_LOGPROBS)
     prompts = _prompts(doc, max_prompts)
     one = prompts[0] if len(prompts) == 1 else None
     stream = opt_bool(doc, "stream", False)
@@ -61,7 +59,7 @@ def parse_completion(doc, max_prompts=MAX_PROMPTS):
                             prompt_ids=one if isinstance(one, list) else None,
                             prompts=prompts if one is None else None,
                             add_special=add_special(doc), max_tokens=max_tokens, params=params,
-                            stream=stream, include_usage=stream and _include_usage(doc),
+                            stream=stream, include_usage=include_usage(doc, stream),
                             echo=echo, logprobs=logprobs, n=n, best_of=best_of,
                             truncate_prompt_tokens=truncate_prompt_tokens(doc))
     return req, completion_degradations(doc)
@@ -69,7 +67,7 @@ def parse_completion(doc, max_prompts=MAX_PROMPTS):
 
 def choice_counts(doc):
     """(n, best_of or None): best_of generates that many and returns the n most likely."""
-    n = opt_int(doc, "n", 1, lo=1, hi=MAX_CHOICES)
+    n = choice_count(doc)
     best_of = opt_int(doc, "best_of", None, lo=1, hi=MAX_BEST_OF)
     if best_of is not None and best_of < n:
         raise InvalidRequest(f"best_of must be greater than or equal to n, got best_of {best_of} and n {n}",
@@ -79,44 +77,6 @@ def choice_counts(doc):
 
 def completion_degradations(doc):
     return [name for name, used in COMPLETION_DEGRADATIONS if used(doc)]
-
-
-def model_name(doc):
-    name = opt_str(doc, "model", None, max_len=4096)
-    if name is not None and not name.strip():
-        raise InvalidRequest("'model' must not be empty", param="model")
-    return name
-
-
-def sampling_params(doc, max_tokens):
-    """The OpenAI sampling fields -> SamplingParams (shared by completions and chat)."""
-    temperature = opt_number(doc, "temperature", 1.0, 0, 2)
-    top_p = opt_number(doc, "top_p", 1.0, 0, 1)
-    if top_p == 0:
-        top_p, temperature = 1.0, 0.0       # NOTE(top_p): keeping no mass means keeping the top token
-    top_k = opt_int(doc, "top_k", 0, lo=-1, hi=TOKEN_ID_LIMIT)
-    return SamplingParams(
-        max_new_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=max(top_k, 0),
-        min_p=opt_number(doc, "min_p", 0.0, 0, 1),
-        repetition_penalty=_repetition_penalty(doc),
-        presence_penalty=opt_number(doc, "presence_penalty", 0.0, -2, 2),
-        frequency_penalty=opt_number(doc, "frequency_penalty", 0.0, -2, 2),
-        logit_bias=logit_bias(doc), seed=seed_value(doc), stop=stop_strings(doc))
-
-
-def _repetition_penalty(doc):
-    value = opt_number(doc, "repetition_penalty", 1.0, 0, 10)
-    if value <= 0:
-        raise InvalidRequest("'repetition_penalty' must be greater than 0", param="repetition_penalty")
-    return value
-
-
-def _include_usage(doc):
-    options = doc.get("stream_options")
-    if options is None:
-        return False
-    expect_object(options, "stream_options")
-    return opt_bool(options, "include_usage", False)
 
 
 def add_special(doc):
@@ -246,7 +206,3 @@ def error_event(exc):
 
 def model_object(info, owned_by="turbospark"):
     return {"id": info.id, "object": "model", "created": info.created, "owned_by": owned_by}
-
-
-def model_list(infos):
-    return {"object": "list", "data": [model_object(i) for i in infos]}

@@ -7,13 +7,11 @@ from dataclasses import dataclass, field
 
 from ..engine import SamplingParams
 from ..service import GenerationRequest
-from . import checks
-from .chat import sampling_params
+from . import checks, common
 from .chat_grammar import json_grammar
 from .chat_messages import function_spec
 from .checks import fail
 from .json_schema import check_schema
-from .openai import model_name
 from .responses_input import parse_input, with_tool_names
 from .tool_prompt import ChatPart
 
@@ -67,10 +65,10 @@ def parse_responses(doc):
     choice, tools = _tool_choice(doc.get("tool_choice"), tools)
     text_format, grammar = _text_format(doc.get("text"))
     effort, summary = _reasoning(doc.get("reasoning"))
-    max_tokens = checks.integer(doc, "max_output_tokens", 1, None)
+    max_tokens = common.max_tokens(doc, "max_output_tokens")
     parallel = checks.boolean(doc, "parallel_tool_calls", True)
     store = checks.boolean(doc, "store", True)
-    params = sampling_params(doc)
+    params = common.sampling_params(doc)
     echo = {
         "instructions": instructions, "max_output_tokens": max_tokens,
         "max_tool_calls": checks.integer(doc, "max_tool_calls", 1, None), "metadata": _metadata(doc.get("metadata")),
@@ -79,12 +77,12 @@ def parse_responses(doc):
         "temperature": _echo_number(doc, "temperature"), "top_p": _echo_number(doc, "top_p"),
         "text": {"format": text_format, "verbosity": _verbosity(doc.get("text"))},
         "tool_choice": _choice_echo(choice), "tools": tools_echo,
-        "top_logprobs": checks.integer(doc, "top_logprobs", 0, 20), "truncation": "disabled",
+        "top_logprobs": checks.integer(doc, "top_logprobs", 0, common.MAX_TOP_LOGPROBS), "truncation": "disabled",
         "user": _optional_str(doc, "user"), "safety_identifier": _optional_str(doc, "safety_identifier"),
         "prompt_cache_key": _optional_str(doc, "prompt_cache_key")}
     return ResponsesRequest(
         input_messages=input_messages, params=params, echo=echo, instructions=instructions,
-        model=model_name(doc), max_tokens=max_tokens, tools=tools if choice != "none" else None,
+        model=common.model_name(doc), max_tokens=max_tokens, tools=tools if choice != "none" else None,
         tool_choice=choice, parallel_tool_calls=parallel, stream=_stream(doc), store=store,
         previous_response_id=echo["previous_response_id"], grammar=grammar,
         template_kwargs=_effort_kwargs(effort))

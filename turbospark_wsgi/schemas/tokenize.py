@@ -12,8 +12,8 @@ equals that route's `usage.prompt_tokens`.
 from ..errors import InvalidRequest
 from ..service import GenerationRequest
 from .chat_messages import parse_messages, parse_tool_choice, parse_tools
-from .common import expect_object, is_int, type_name
-from .openai import TOKEN_ID_LIMIT, add_special, model_name
+from .common import TOKEN_ID_LIMIT, expect_object, is_int, model_name, type_name
+from .openai import add_special
 from .tool_prompt import ChatPart
 
 
