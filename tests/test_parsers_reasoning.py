@@ -2,7 +2,7 @@ import itertools
 
 import pytest
 
-from turbospark_wsgi.parsers.reasoning import CONTENT, REASONING, ReasoningSplitter, split_reasoning
+from turbospark_wsgi.parsers.reasoning import CONTENT, REASONING, ReasoningSplitter
 
 CASES = [
     # (text, in_reasoning, reasoning, content)
@@ -15,6 +15,13 @@ CASES = [
     ("a < b and c <th d", False, None, "a < b and c <th d"),   # tag look-alikes stay
     ("<think>x < y</thin k></think>done", False, "x < y</thin k>", "done"),
 ]
+
+
+def split_reasoning(text, in_reasoning=False):
+    """(reasoning, content) of a whole generated text; reasoning is None when there was none."""
+    splitter = ReasoningSplitter(in_reasoning=in_reasoning)
+    pieces = splitter.feed(text) + splitter.flush()
+    return (joined(pieces, REASONING) if splitter.saw_reasoning else None), joined(pieces, CONTENT)
 
 
 def stream(text, cuts, in_reasoning):

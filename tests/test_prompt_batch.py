@@ -5,7 +5,8 @@ import threading
 
 from turbospark_wsgi.cancel import CancelToken
 from turbospark_wsgi.errors import Overloaded
-from turbospark_wsgi.service import Finished, GenerationRequest, KeepAlive, TextDelta, collect_choices
+from turbospark_wsgi.generation import Finished, KeepAlive, TextDelta, collect_choices
+from turbospark_wsgi.service import GenerationRequest
 
 
 def run(h, req):

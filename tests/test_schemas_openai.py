@@ -5,7 +5,7 @@ import pytest
 
 from turbospark_wsgi.errors import InvalidRequest
 from turbospark_wsgi.schemas import openai
-from turbospark_wsgi.service import Finished, KeepAlive, TextDelta, Usage
+from turbospark_wsgi.generation import Finished, KeepAlive, TextDelta, Usage
 
 
 def parse(**body):

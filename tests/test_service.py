@@ -14,7 +14,8 @@ from turbospark_wsgi.engine import SamplingParams
 from turbospark_wsgi.registry import Registry
 from turbospark_wsgi.errors import (ContextLengthExceeded, EngineError, InvalidRequest, ModelLoadError,
                                     ModelNotFound, Overloaded)
-from turbospark_wsgi.service import Finished, GenerationRequest, KeepAlive, TextDelta, collect
+from turbospark_wsgi.generation import Finished, KeepAlive, TextDelta, collect
+from turbospark_wsgi.service import GenerationRequest
 
 
 def request(**kw):

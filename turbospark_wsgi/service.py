@@ -15,10 +15,8 @@ from . import compute, metrics
 from .cancel import CancelToken
 from .engine import SamplingParams
 from .errors import ApiError, ContextLengthExceeded, InvalidRequest
-# NOTE(events): the events and their folds live with Generation; importers keep taking them from here.
+from .generation import Generation, PromptBatch
 from .limits import Limits
-from .generation import (ChoiceResult, Finished, Generation, KeepAlive, PromptBatch, TextDelta,  # noqa: F401
-                         TokenLogprob, Usage, collect, collect_choices)
 from .queue import LockQueue
 from .registry import Registry
 

@@ -63,13 +63,3 @@ class ReasoningSplitter:
         if text:
             self._strip_lead = False
             out.append((self._kind, text))
-
-
-def split_reasoning(text, in_reasoning=False):
-    """(reasoning, content) of a whole generated text; reasoning is None when there was none."""
-    splitter = ReasoningSplitter(in_reasoning=in_reasoning)
-    parts = {REASONING: [], CONTENT: []}
-    for kind, piece in splitter.feed(text) + splitter.flush():
-        parts[kind].append(piece)
-    reasoning = "".join(parts[REASONING]) if splitter.saw_reasoning else None
-    return reasoning, "".join(parts[CONTENT])

@@ -2,7 +2,7 @@
 (see DEVIATIONS.md)."""
 from ..middleware import read_json
 from ..schemas import openai
-from ..service import collect_choices
+from ..generation import collect_choices
 from . import begin, client_gone, finish, stream_response
 
 

@@ -2,7 +2,7 @@
 from ..middleware import read_json
 from ..schemas.anthropic import parse_messages_request
 from ..schemas.anthropic_render import MessageReply, error_event, message_body, message_stream
-from ..schemas.chat_render import drain
+from ..schemas.chat_render import drain_choices
 from . import begin, client_gone, finish, stream_response
 
 
@@ -15,17 +15,16 @@ class Messages:
         self._service.check_room()          # NOTE(overload): a full server says so before any work
         gen = parse_messages_request(read_json(req, self._max_body))
         events, watcher = begin(self._service, req, gen)
-        parser = events.plan.parser()
         reply = MessageReply(gen.model or self._service.default_model, gen.chat.parallel_tool_calls)
         if gen.stream:
-            frames = message_stream(reply, parser, events, events.prompt_tokens)
+            frames = message_stream(reply, events.plan.parser(), events, events.prompt_tokens)
             stream_response(resp, frames, events, watcher, error_event)
             return
-        parsed, finished = finish(events, watcher, lambda e: drain(parser, e))
+        choices, finished = finish(events, watcher, lambda e: drain_choices(events.plan.parser, e))
         if finished is None:
             client_gone(resp)
         else:
-            resp.media = message_body(reply, parsed, finished)
+            resp.media = message_body(reply, choices[0][0], finished)
 
 
 class CountTokens:

@@ -4,7 +4,7 @@ from dataclasses import dataclass, field
 
 from ..parsers import CONTENT, REASONING, CallArgs, ToolCall
 from .. import sse
-from ..service import Finished, KeepAlive, TextDelta
+from ..generation import Finished, KeepAlive, TextDelta
 from .anthropic import tool_input
 from .common import anthropic_error_body
 

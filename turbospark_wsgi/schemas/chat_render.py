@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from ..parsers import CONTENT, REASONING, CallArgs, ToolCall, collect
 from .. import sse
-from ..service import Finished, KeepAlive, TextDelta
+from ..generation import Finished, KeepAlive, TextDelta
 from .openai import usage_body
 
 
@@ -90,17 +90,6 @@ def drain_choices(make_parser, events):
     if last is None:
         return [], None
     return [(parsed[i], done[i], logprobs.get(i)) for i in sorted(done)], last
-
-
-def drain(parser, events):
-    """Runs service events through an OutputParser: (ParsedOutput, Finished or None if cancelled)."""
-    parsed, finished = None, None
-    for event in events:
-        if isinstance(event, TextDelta):
-            parsed = collect(parser.feed(event.text), parsed)
-        elif isinstance(event, Finished):
-            finished = event
-    return collect(parser.flush(), parsed), finished
 
 
 class _ChunkWriter:

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 
 from .. import sse
 from ..errors import InvalidRequest
-from ..service import ChoiceResult, Finished, GenerationRequest, KeepAlive, TextDelta
+from ..generation import ChoiceResult, Finished, KeepAlive, TextDelta
+from ..service import GenerationRequest
 from .common import (MAX_TOP_LOGPROBS, TOKEN_ID_LIMIT, choice_count, expect_object, include_usage, is_int,
                      max_tokens as token_budget, model_name, opt_bool, opt_int, sampling_params, truncate_prompt_tokens,
                      type_name)

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from .. import sse
 from ..parsers import CONTENT, REASONING, CallArgs, ToolCall
-from ..service import Finished, KeepAlive, TextDelta
+from ..generation import Finished, KeepAlive, TextDelta
 
 _PREFIX = {"message": "msg_", "reasoning": "rs_", "function_call": "fc_"}
 
