@@ -1,5 +1,6 @@
 """Server settings: one dataclass, read from the environment (`TURBOSPARK_*`) or built directly."""
 import os
+import re
 import socket
 from dataclasses import dataclass, field, fields
 
@@ -114,6 +115,7 @@ class Config:
         # NOTE(secrets): keys never reach a log line through a repr of the config.
         shown = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "api_keys"}
         shown["api_keys"] = f"<{len(self.api_keys)} keys>"
+        shown["limits_redis"] = re.sub(r"//[^@/]*@", "//***@", self.limits_redis)     # redis://:password@host
         return "Config(" + ", ".join(f"{k}={v!r}" for k, v in shown.items()) + ")"
 
 

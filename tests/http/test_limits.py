@@ -399,3 +399,9 @@ def test_the_anthropic_sdk_retries_the_429_and_then_succeeds(make_harness, tmp_p
     h = drained(make_harness, tmp_path)
     reply = sdk(anthropic.Anthropic, h, "http://limits.test").messages.create(**MESSAGE)
     assert reply.content[0].text and h.statuses == [429, 200]
+
+
+def test_the_redis_password_stays_out_of_the_configs_repr():
+    from turbospark_wsgi.config import Config
+    shown = repr(Config(limits_redis="redis://:hunter2@cache:6379/0", load_default=False))
+    assert "hunter2" not in shown and "redis://***@cache:6379/0" in shown
