@@ -303,7 +303,7 @@ class Permit:
         """Levels after charging `tokens` (None: nothing to charge, or the store unreachable)."""
         if kind == "completion":
             self._charged += tokens
-        if tokens:
+        if tokens > 0:
             metrics.record_key_tokens(self.subject.name, kind, tokens)
         if tokens or release:
             return self._limits.store.settle(self.subject.bucket, self.subject.limit, tokens, 0,

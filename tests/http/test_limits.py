@@ -213,6 +213,23 @@ def test_tokens_settle_for_a_stream_cancelled_midway(make_harness, tmp_path):
     assert int(done.headers["x-ratelimit-remaining-tokens"]) == 1000 - prompt - produced - usage["prompt_tokens"]
 
 
+def test_settling_below_the_count_so_far_gives_tokens_back():
+    # NOTE(eos): with logprobs the engine also sends the end token, which chat's usage leaves out
+    from types import SimpleNamespace
+    limits = Limits("", True, MemoryStore(clock=Clock()), table=parse_table(
+        {"default": {"tokens_per_minute": 100}}))
+    permit = limits.admit("k", "")
+    closers, counters = [], []
+    events = SimpleNamespace(model_id="m", prompt_tokens=3, produced_tokens=4, on_close=closers.append,
+                             on_token=counters.append)
+    permit.meter(events)
+    for _ in range(5):
+        counters[0]()
+    closers[0]()
+    assert permit.levels.tokens == 97
+    assert limits.store.settle(permit.subject.bucket, permit.subject.limit, 0, 0, None).tokens == 100 - 3 - 4
+
+
 def test_a_key_in_token_debt_waits_until_the_refill_pays_it_back(make_harness, tmp_path):
     h = limited(make_harness, tmp_path, rate_file(tokens_per_minute=60))
     app = h.client()
