@@ -10,6 +10,9 @@ On Linux the compute thread runs at a lower CPU priority than the request thread
 the process's; TURBOSPARK_COMPUTE_NICE, 0 = unchanged), and so do the OpenMP threads it starts:
 the engine keeps every idle cycle, but a request thread that has work (a 503 to send, a health
 check, a token to stream) gets a core at once instead of waiting behind the kernels' threads.
+
+Work that may take long but must not hold the compute thread (compiling a client's grammar) runs
+`aside`: on a small pool of its own, at a lower priority still, waited for with a limit.
 """
 import os
 import sys
@@ -17,6 +20,9 @@ import threading
 
 _executor = None
 _pid = None
+_aside = None
+_aside_pid = None
+ASIDE_THREADS = 2           # NOTE(aside): a job past its caller's limit runs on; at most this many at once
 # NOTE(fork): held only for the few microseconds it takes to build the executor, never across a
 # cooperative switch, so a lock made before gevent patches (preload_app) cannot deadlock the hub.
 _guard = threading.Lock()
@@ -36,6 +42,28 @@ def run(fn, *args, **kwargs):
     return submit(fn, *args, **kwargs).result()
 
 
+def aside(fn, *args):
+    """Runs `fn(*args)` on the aside pool, below the compute thread's priority; returns its future
+    (`result(timeout)` raises the builtin TimeoutError, and the job runs on to its end)."""
+    global _aside, _aside_pid
+    if _aside is None or _aside_pid != os.getpid():
+        with _guard:
+            if _aside is None or _aside_pid != os.getpid():
+                _aside, _aside_pid = _make_executor(ASIDE_THREADS, "turbospark-aside"), os.getpid()
+    return _aside.submit(_niced, fn, *args)
+
+
+_lowered = set()            # native ids of the aside threads already at their priority
+
+
+def _niced(fn, *args):
+    # NOTE(gevent): a set of native thread ids, not threading.local, which gevent makes per greenlet
+    if threading.get_native_id() not in _lowered:
+        _lowered.add(threading.get_native_id())
+        lower_priority(NICE * 2)
+    return fn(*args)
+
+
 def executor():
     """The process-wide single-thread executor, created on first use after fork."""
     global _executor, _pid
@@ -44,6 +72,9 @@ def executor():
     with _guard:
         if _executor is None or _pid != os.getpid():
             _executor, _pid = _make_executor(), os.getpid()
+            # NOTE(priority): the first job, so every engine call runs after it, and the threads OpenMP
+            # starts for the kernels (on their first parallel region) inherit the thread's priority.
+            _executor.submit(lower_priority, NICE)
     return _executor
 
 
@@ -54,17 +85,12 @@ def gevent_patched():
     return monkey.is_module_patched("threading")
 
 
-def _make_executor():
+def _make_executor(threads=1, name="turbospark-compute"):
     if gevent_patched():
         from gevent.threadpool import ThreadPoolExecutor
-        pool = ThreadPoolExecutor(max_workers=1)
-    else:
-        from concurrent.futures import ThreadPoolExecutor
-        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="turbospark-compute")
-    # NOTE(priority): the first job, so every engine call runs after it, and the threads OpenMP
-    # starts for the kernels (on their first parallel region) inherit the thread's priority.
-    pool.submit(lower_priority, NICE)
-    return pool
+        return ThreadPoolExecutor(max_workers=threads)
+    from concurrent.futures import ThreadPoolExecutor
+    return ThreadPoolExecutor(max_workers=threads, thread_name_prefix=name)
 
 
 def lower_priority(nice):

@@ -32,7 +32,7 @@ class Config:
     MAX_TOKENS_CAP (0 = none), MAX_GENERATION_SECONDS (0 = none), GRACEFUL_TIMEOUT (s),
     REPLICA_ID (sent back in `x-turbospark-replica`; default host:pid), HEADER_TIMEOUT (s from a
     request's first byte to the end of its headers), BODY_TIMEOUT (s to read a request body; over
-    either: 408), RESPONSES_STORE_SIZE (stored /v1/responses per worker, 0 = none),
+    either: 408), GRAMMAR_TIMEOUT (s to compile a request's schema or grammar; over it: 400), RESPONSES_STORE_SIZE (stored /v1/responses per worker, 0 = none),
     RESPONSES_STORE_BYTES (their JSON, conversations included), RESPONSES_STORE_TTL (s, 0 = no limit),
     WEB_UI (the chat page at `/`: 1 or 0), LIMITS_FILE (limits per API key, TOML or JSON; re-read on
     SIGHUP), LIMITS_REDIS (redis://... : the limits' counters shared by every replica).
@@ -66,6 +66,7 @@ class Config:
     replica_id: str = ""
     header_timeout: float = 10.0
     body_timeout: float = 10.0
+    grammar_timeout: float = 5.0
     responses_store_size: int = 1000
     responses_store_bytes: int = 64 * 1024 * 1024
     responses_store_ttl: float = 3600.0
@@ -85,7 +86,7 @@ class Config:
             _check_range(name, getattr(self, name), 1)
         for name in ("queue_timeout", "max_generation_seconds", "graceful_timeout", "responses_store_ttl"):
             _check_range(name, getattr(self, name), 0)
-        for name in ("header_timeout", "body_timeout"):
+        for name in ("header_timeout", "body_timeout", "grammar_timeout"):
             if not 0 < getattr(self, name) < float("inf"):
                 raise ConfigError(f"{_env(name)} must be > 0 seconds, got {getattr(self, name)!r}")
         if not self.keepalive > 0:
@@ -138,7 +139,7 @@ _ENV_NAMES = {"models_dir": "MODELS"}
 _INTS = {"max_waiting", "max_body", "max_context", "port", "threads", "prefill_chunk", "max_batch", "max_paused",
          "model_memory", "max_prompt_tokens", "max_prompts", "max_embedding_inputs", "max_tokens_cap", "responses_store_size", "responses_store_bytes"}
 _FLOATS = {"queue_timeout", "keepalive", "max_generation_seconds", "graceful_timeout", "header_timeout",
-           "body_timeout", "responses_store_ttl"}
+           "body_timeout", "grammar_timeout", "responses_store_ttl"}
 _LISTS = {"api_keys", "cors_origins"}
 
 

@@ -253,9 +253,16 @@ class Service:
     def _grammar(self, engine, plan):
         if plan is None or plan.grammar is None:
             return None
+        # NOTE(grammar): compiled aside, never on the compute thread (a client's schema may take
+        # seconds), within TURBOSPARK_GRAMMAR_TIMEOUT; a compile past it runs on to its end aside.
+        job = compute.aside(engine.compile_grammar, plan.grammar)
+        limit = self.config.grammar_timeout
         try:
-            # NOTE(grammar): compiled on the compute thread: the first one builds the tokenizer tables.
-            return compute.run(engine.compile_grammar, plan.grammar)
+            return job.result(timeout=limit)
+        except TimeoutError:
+            job.cancel()                        # not started yet (the pool busy): it never starts
+            raise InvalidRequest(f"'{plan.grammar_param}' took longer than {limit:g} s to compile into a grammar; "
+                                 f"simplify the schema", param=plan.grammar_param) from None
         except ValueError as e:
             raise InvalidRequest(f"'{plan.grammar_param}' cannot be enforced: {e}", param=plan.grammar_param) from e
 

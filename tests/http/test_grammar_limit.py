@@ -1,0 +1,94 @@
+"""A grammar that compiles slowly (TURBOSPARK_GRAMMAR_TIMEOUT) is a 400 naming its field, and its
+compile never holds the compute thread: other requests run on while it compiles."""
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from turbospark_wsgi import compute
+from turbospark_wsgi.app import create_app
+from turbospark_wsgi.config import Config
+
+webtest = pytest.importorskip("webtest")
+STORIES = Path("/work/shared/models/stories260K.gguf")
+LIMIT = 0.3
+
+
+def many_optional_properties(n):
+    """A schema whose compile time grows with the square of `n` (4,000: ~2 s on 2 cores)."""
+    return {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(n)}}
+
+
+def schema_format(schema):
+    return {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}
+
+
+CHAT = {"model": "fake", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+
+
+class SlowCompile:
+    """compile_grammar that takes `seconds`; `started` is set as it begins."""
+
+    def __init__(self, seconds):
+        self.seconds, self.started = seconds, threading.Event()
+
+    def __call__(self, grammar):
+        self.started.set()
+        time.sleep(self.seconds)
+        raise AssertionError("a compile past the limit was waited for")
+
+
+def test_a_slow_compile_is_a_400_and_never_holds_the_compute_thread(make_harness):
+    h = make_harness(grammar_timeout=LIMIT)
+    slow = SlowCompile(LIMIT * 5)
+    h.engine("fake").compile_grammar = slow
+    client, out = h.client(), {}
+
+    def post():
+        start = time.monotonic()
+        out["resp"] = client.post_json("/v1/chat/completions", dict(CHAT, response_format=schema_format({})),
+                                       expect_errors=True)
+        out["seconds"] = time.monotonic() - start
+
+    request = threading.Thread(target=post)
+    request.start()
+    assert slow.started.wait(5)
+    start = time.monotonic()
+    assert compute.run(lambda: "free") == "free"
+    assert time.monotonic() - start < LIMIT, "the compute thread waited for a client's grammar"
+    request.join(10)
+    resp = out["resp"]
+    assert resp.status_int == 400, resp.body
+    assert resp.json["error"]["param"] == "response_format"
+    assert "took longer than 0.3 s to compile" in resp.json["error"]["message"]
+    assert out["seconds"] < LIMIT + 1.0
+
+
+def test_a_compile_within_the_limit_is_used(make_harness):
+    h = make_harness(grammar_timeout=LIMIT)
+    h.client().post_json("/v1/chat/completions", dict(CHAT, response_format=schema_format({"type": "object"})))
+    assert h.engine("fake").grammars, "the grammar was not compiled"
+
+
+@pytest.mark.slow
+def test_a_schema_slow_to_compile_is_refused_while_others_are_served(tmp_path):
+    pytest.importorskip("llguidance")
+    if not STORIES.is_file():
+        pytest.skip("stories260K absent")
+    (tmp_path / "stories.gguf").symlink_to(STORIES)
+    app = webtest.TestApp(create_app(Config(models_dir=str(tmp_path), model="stories", device="cpu",
+                                            load_default=False, grammar_timeout=LIMIT)))
+    ask = dict(CHAT, model="stories")
+    app.post_json("/v1/chat/completions", dict(ask, response_format=schema_format({"type": "object"})))  # warm
+    start = time.monotonic()
+    resp = app.post_json("/v1/chat/completions", dict(ask, response_format=schema_format(
+        many_optional_properties(4000))), status=400)
+    assert time.monotonic() - start < LIMIT + 1.0
+    assert resp.json["error"]["param"] == "response_format"
+    # NOTE(aside): the compile runs on aside; a plain request and a small schema are served meanwhile
+    start = time.monotonic()
+    assert app.post_json("/v1/chat/completions", ask).json["choices"][0]["finish_reason"] in ("stop", "length")
+    small = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    app.post_json("/v1/chat/completions", dict(ask, max_tokens=12, response_format=schema_format(small)))
+    assert time.monotonic() - start < 1.5
