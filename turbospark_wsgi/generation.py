@@ -10,8 +10,8 @@ import time
 from dataclasses import dataclass, field
 
 from . import compute
-from .engine import Finish, FinishReason, Paused, Prefill, Scores, Token
-from .errors import ApiError, EngineError
+from .engine import ConstraintError, Finish, FinishReason, Paused, Prefill, Scores, Token
+from .errors import ApiError, EngineError, InvalidRequest
 
 log = logging.getLogger("turbospark.service")
 
@@ -193,6 +193,12 @@ class Generation:
                 yield from self._best_of(echo)
         except ApiError:
             raise
+        except ConstraintError as e:
+            # NOTE(grammar): the client's schema failed after it compiled (a parser limit reached a
+            # few tokens in): its 400, logged without a traceback.
+            param = getattr(self.plan, "grammar_param", None) or "response_format"
+            log.warning("grammar failed [request %s]: %s", self.request_id, e)
+            raise InvalidRequest(f"'{param}' cannot be enforced: {e}", param=param) from None
         except Exception as e:
             log.exception("generation failed [request %s]", self.request_id)
             raise EngineError(f"The server had an error while generating (request id {self.request_id})") from e

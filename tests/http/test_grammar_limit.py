@@ -1,5 +1,6 @@
 """A grammar that compiles slowly (TURBOSPARK_GRAMMAR_TIMEOUT) is a 400 naming its field, and its
 compile never holds the compute thread: other requests run on while it compiles."""
+import json
 import threading
 import time
 from pathlib import Path
@@ -71,24 +72,49 @@ def test_a_compile_within_the_limit_is_used(make_harness):
     assert h.engine("fake").grammars, "the grammar was not compiled"
 
 
-@pytest.mark.slow
-def test_a_schema_slow_to_compile_is_refused_while_others_are_served(tmp_path):
+def stories_app(root, grammar_timeout):
     pytest.importorskip("llguidance")
     if not STORIES.is_file():
         pytest.skip("stories260K absent")
-    (tmp_path / "stories.gguf").symlink_to(STORIES)
-    app = webtest.TestApp(create_app(Config(models_dir=str(tmp_path), model="stories", device="cpu",
-                                            load_default=False, grammar_timeout=LIMIT)))
-    ask = dict(CHAT, model="stories")
-    app.post_json("/v1/chat/completions", dict(ask, response_format=schema_format({"type": "object"})))  # warm
+    (root / "stories.gguf").symlink_to(STORIES)
+    app = webtest.TestApp(create_app(Config(models_dir=str(root), model="stories", device="cpu",
+                                            load_default=False, grammar_timeout=grammar_timeout)))
+    app.post_json("/v1/chat/completions", dict(ASK, response_format=schema_format({"type": "object"})))  # warm
+    return app
+
+
+ASK = dict(CHAT, model="stories")
+
+
+@pytest.mark.slow
+def test_a_schema_slow_to_compile_is_refused_while_others_are_served(tmp_path):
+    app = stories_app(tmp_path, LIMIT)
     start = time.monotonic()
-    resp = app.post_json("/v1/chat/completions", dict(ask, response_format=schema_format(
+    resp = app.post_json("/v1/chat/completions", dict(ASK, response_format=schema_format(
         many_optional_properties(4000))), status=400)
     assert time.monotonic() - start < LIMIT + 1.0
     assert resp.json["error"]["param"] == "response_format"
     # NOTE(aside): the compile runs on aside; a plain request and a small schema are served meanwhile
     start = time.monotonic()
-    assert app.post_json("/v1/chat/completions", ask).json["choices"][0]["finish_reason"] in ("stop", "length")
+    assert app.post_json("/v1/chat/completions", ASK).json["choices"][0]["finish_reason"] in ("stop", "length")
     small = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
-    app.post_json("/v1/chat/completions", dict(ask, max_tokens=12, response_format=schema_format(small)))
+    app.post_json("/v1/chat/completions", dict(ASK, max_tokens=12, response_format=schema_format(small)))
     assert time.monotonic() - start < 1.5
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_a_schema_that_fails_a_few_tokens_in_is_the_clients_400(tmp_path, stream, caplog):
+    """700 optional properties compile, then pass llguidance's 2,000 items a row at the first key."""
+    app = stories_app(tmp_path, 30.0)
+    body = dict(ASK, max_tokens=8, stream=stream, response_format=schema_format(many_optional_properties(700)))
+    with caplog.at_level("WARNING"):
+        resp = app.post_json("/v1/chat/completions", body, expect_errors=True)
+    if stream:
+        assert resp.status_int == 200
+        error = json.loads(resp.body.decode().split("event: error\ndata: ")[1].split("\n")[0])["error"]
+    else:
+        assert resp.status_int == 400, resp.body
+        error = resp.json["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == "response_format"
+    assert "cannot be enforced" in error["message"]
+    assert not [r for r in caplog.records if r.levelname == "ERROR" or r.exc_info], "a traceback was logged"

@@ -14,6 +14,8 @@ import threading
 
 import numpy as np
 
+from .events import ConstraintError
+
 
 class ConstraintCompiler:
     """Compiles grammar specs for one tokenizer; the llguidance tokenizer is built on first use."""
@@ -85,13 +87,13 @@ class Constraint:
         """bool[V]: True where the token keeps the output inside the grammar (EOS once it may end)."""
         self._m.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
         if self._m.is_error():
-            raise RuntimeError(f"constraint failed: {_short(self._m.get_error())}")
+            raise ConstraintError(f"constraint failed: {_short(self._m.get_error())}")
         bits = np.unpackbits(self._bits.view(np.uint8), bitorder="little")     # [32 * words]
         return bits[:self._vocab].astype(bool)
 
     def advance(self, token):
         if not self._m.consume_token(int(token)):
-            raise RuntimeError(f"constraint rejected token {token}: {_short(self._m.get_error())}")
+            raise ConstraintError(f"constraint rejected token {token}: {_short(self._m.get_error())}")
 
     def is_done(self):
         """True once the grammar is complete and only the end of the sequence may follow."""

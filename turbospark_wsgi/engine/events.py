@@ -42,3 +42,8 @@ class Finish:
 class Scores:
     entries: list            # [(logprob, [(token_id, logprob)] top)] for prompt tokens, in order;
                              # the prompt's first token has (None, [])
+
+
+class ConstraintError(RuntimeError):
+    """A sequence's grammar failed while it ran: the grammar's doing (e.g. a parser limit that a
+    client's schema reaches only after its first tokens), not the engine's."""
