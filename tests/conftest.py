@@ -36,6 +36,12 @@ class FakeTokenizer:
     def token_bytes(self, token_id):
         return bytes([token_id - OFFSET]) if OFFSET <= token_id < 256 + OFFSET else b""
 
+    def token_text(self, token_id):
+        data = self.token_bytes(token_id)
+        if self.is_special(token_id) or not data:
+            return self.id_to_piece(token_id) or "", data, 0
+        return data.decode("utf-8", "backslashreplace"), data, int(not 0x80 <= data[0] < 0xC0)   # one byte each
+
 
 class FakeEngine:
     """A byte-level stand-in for `Engine` (engine.protocol.TextEngine, every member): replies with

@@ -109,43 +109,169 @@ def collect(events):
     return "".join(parts), finished
 
 
+class Tally:
+    """Usage of one generation's runs: the prompt once, the completion tokens of every run (best_of's
+    unreturned runs too); `pending` counts the run in flight until its end is accounted."""
+
+    def __init__(self, prompt_tokens):
+        self.prompt_tokens, self.pending = prompt_tokens, 0
+        self.usage = None           # a new Usage per account, so a sent Finished keeps its own
+
+    def count(self):
+        self.pending += 1
+
+    def account(self, completion_tokens, cached_tokens):
+        self.pending = 0
+        if self.usage is None:
+            self.usage = Usage(self.prompt_tokens, completion_tokens, cached_tokens)
+        else:
+            self.usage = Usage(self.prompt_tokens, self.usage.completion_tokens + completion_tokens,
+                               self.usage.cached_tokens)
+
+    @property
+    def produced(self):
+        return (self.usage.completion_tokens if self.usage else 0) + self.pending
+
+
+class RunTranslator:
+    """One engine run (one choice) -> service events: Tokens become TextDeltas (with their logprob
+    entries when `want_logprobs`), the Finish a last TextDelta and a Finished; Prefill and Paused
+    say nothing. Counts the run's tokens into `tally`."""
+
+    def __init__(self, tokenizer, tally, index, last, want_logprobs, report, end_listed):
+        self._tokenizer, self._tally, self._index, self._last = tokenizer, tally, index, last
+        self._want, self._report, self._end_listed = want_logprobs, report, end_listed
+        self.tokens = 0                 # Tokens seen (one more than the engine counts when it sends the end token)
+        self._held = []                 # TokenLogprobs whose text is still held back
+        self.finish_reason = None
+
+    def translate(self, event):
+        """The service events for one engine event (a list, often empty)."""
+        if isinstance(event, Token):
+            self.tokens += 1
+            self._tally.count()
+            if event.logprob is not None:
+                self._held.append(logprob_entry(self._tokenizer, event.id, event.logprob, event.top_logprobs))
+            return [TextDelta(event.text, self._take(), self._index)] if event.text else []
+        if isinstance(event, Finish):
+            return self._finish(event)
+        if not isinstance(event, (Prefill, Paused)):
+            raise TypeError(f"unexpected engine event {event!r}")
+        return []
+
+    def cut(self, reason=FinishReason.LENGTH):
+        """The Finished of a run ended early (the time limit): text still held back is dropped."""
+        self.finish_reason = reason
+        self._tally.account(self.tokens, 0)
+        return Finished(reason, self._tally.usage, None, self._index, self._last)
+
+    def _finish(self, event):
+        self.finish_reason = event.reason
+        if event.reason == FinishReason.CANCELLED:
+            return []
+        completion = self._completion_count(event)
+        out = []
+        if event.text or self._held or (self._report and not completion):
+            out.append(TextDelta(event.text, self._take(), self._index))    # logprobs: [] when nothing came
+        self._tally.account(completion, event.cached_tokens)
+        return out + [Finished(event.reason, self._tally.usage, event.stop_string, self._index, self._last)]
+
+    def _completion_count(self, finish):
+        """Tokens this choice generated. NOTE(eos): with logprobs the engine also sends the end
+        token that stopped the run (one Token more than it counts). Completions list and count it,
+        as OpenAI's legacy API lists `<|endoftext|>`, so echo's tokens are prompt + generated
+        (lm-eval slices on that); the chat routes list no end token."""
+        ended = self.tokens == finish.completion_tokens + 1 and self._held
+        if ended and not self._end_listed:
+            self._held.pop()
+            return finish.completion_tokens
+        return max(finish.completion_tokens, self.tokens)
+
+    def _take(self):
+        if not self._want:
+            return None
+        out, self._held = self._held, []
+        return out
+
+
+class Choices:
+    """The choices policy: n runs, or best_of runs of which the n most likely are sent (renumbered);
+    with echo, each choice starts with the prompt's TextDelta."""
+
+    def __init__(self, n, best_of, report):
+        self.n, self.runs, self._report = n, max(n, best_of or 1), report
+
+    def events(self, run, echo, tally):
+        """Events of every choice. `run(i, last)` yields one run's events and returns False when it
+        was cancelled; `echo` is the prompt's TextDelta or None; `tally` gives best_of's total usage."""
+        if self.runs == self.n:
+            for i in range(self.n):
+                yield from self._echo(echo, i)
+                if not (yield from run(i, i == self.n - 1)):
+                    return
+            return
+        yield from self._best_of(run, echo, tally)
+
+    def _echo(self, echo, i):
+        if echo is not None:
+            yield TextDelta(echo.text, echo.logprobs if self._report else None, i)
+
+    def _best_of(self, run, echo, tally):
+        # NOTE(best_of): every run is buffered, then the n with the best cumulative logprob are
+        # sent, renumbered; usage counts all runs (they were all generated).
+        runs = []
+        for i in range(self.runs):
+            events = []
+            for event in run(i, False):
+                if isinstance(event, KeepAlive):
+                    yield event
+                else:
+                    events.append(event)
+            if not events or not isinstance(events[-1], Finished):
+                return          # cancelled
+            runs.append(events)
+        best = sorted(range(len(runs)), key=lambda r: -_cumulative_logprob(runs[r]))[:self.n]
+        for index, r in enumerate(best):
+            yield from self._echo(echo, index)
+            for event in runs[r]:
+                if isinstance(event, TextDelta):
+                    yield TextDelta(event.text, event.logprobs if self._report else None, index)
+                else:
+                    yield Finished(event.reason, tally.usage, event.stop_string, index, index == self.n - 1)
+
+
 class Generation:
     """The lazy half of `Service.run`: an iterator of service events with an idempotent `close()`.
-
-    Choices (n, best_of) run one after another inside the one queue slot; the engine's prefix
-    cache makes the repeated prompt nearly free. Events carry their choice's `index`.
+    This class paces the run: it waits for its queue turn, awaits each engine step on the compute
+    thread with keep-alives in between, ends it at the time limit and cleans up once; `Choices`
+    decides the runs (n, best_of, echo) and a `RunTranslator` turns each run's engine events into
+    service events. Choices run one after another inside the one queue slot; the engine's prefix
+    cache makes the repeated prompt nearly free.
 
     Attributes for logs and metrics: model_id, usage, finish_reason, enqueued_at, started_at,
     first_token_at, finished_at (time.monotonic values or None).
     """
 
-    def __init__(self, engine, ids, params, req, cancel, ticket, keepalive, grammar=None, poll=False, plan=None):
-        self.model_id = engine.name
+    def __init__(self, engine, ids, params, req, cancel, ticket, keepalive, grammar=None, poll=False, plan=None,
+                 time_limit=0.0, on_close=()):
+        self.model_id, self.request_id, self._client = engine.name, req.request_id, req.client
         self.plan = plan                          # a chat request's OutputPlan (its `parser()` reads the text)
-        self.request_id = req.request_id
-        self._client = req.client
         self.prompt_tokens = len(ids)
-        self.usage = None
         self.finish_reason = None
         self.enqueued_at, self.started_at = time.monotonic(), None
         self.first_token_at = self.finished_at = None
+        self.time_limited = False                 # ended by the wall-clock limit (finish reason length)
         self._engine, self._ids, self._params, self._grammar = engine, ids, params, grammar
         self._thinking_budget = req.chat.thinking_budget if req.chat is not None else None
-        self._n, self._runs = req.n, max(req.n, req.best_of or 1)
-        self._echo_text = None if not req.echo else (req.prompt if req.prompt is not None else None)
-        self._echo, self._report = req.echo, req.logprobs is not None
-        self._cancel, self._ticket, self._keepalive = cancel, ticket, keepalive
+        self._choices = Choices(req.n, req.best_of, req.logprobs is not None)
+        self._echo_text = req.prompt if req.echo else None
+        self._echo, self._report, self._end_listed = req.echo, req.logprobs is not None, req.chat is None
+        self._cancel, self._ticket, self._keepalive, self._time_limit = cancel, ticket, keepalive, time_limit
         self._poll = poll                         # yield Waiting instead of blocking (PromptBatch)
-        self._end_listed = req.chat is None       # completions list the end token's logprob
+        self._tally = Tally(len(ids))
         self._steps = self._pending = None
-        self._completion_tokens = 0
-        self._unaccounted = 0                     # tokens of the choice in flight, not yet in usage
-        self._on_token = []
-        self._lp_pending = []                     # TokenLogprobs whose text is still held back
+        self._on_token, self._on_close, self._cleaned = [], list(on_close), False
         self._quiet_since = time.monotonic()      # last time the consumer got an event
-        self._cleaned = False
-        self.time_limited = False                 # ended by the wall-clock limit (finish reason length)
-        self._time_limit, self._on_close = 0.0, []
         self._gen = self._events()
 
     def __iter__(self):
@@ -154,22 +280,22 @@ class Generation:
     def __next__(self):
         return next(self._gen)
 
-    def on_close(self, fn):
-        """Calls `fn()` once when the generation is closed (after its queue slot is released)."""
-        self._on_close.append(fn)
-
-    def limit_time(self, seconds):
-        """Ends generation with finish reason length once `seconds` (0: no limit) have passed since it started."""
-        self._time_limit = seconds
-
-    def on_token(self, fn):
-        """Calls `fn()` on the consuming thread each time the engine produces a token."""
-        self._on_token.append(fn)
+    @property
+    def usage(self):
+        return self._tally.usage
 
     @property
     def produced_tokens(self):
         """Completion tokens generated so far, every choice and run counted (a cancelled one's too)."""
-        return (self.usage.completion_tokens if self.usage else 0) + self._unaccounted
+        return self._tally.produced
+
+    def on_close(self, fn):
+        """Calls `fn()` once when the generation is closed (after its queue slot is released)."""
+        self._on_close.append(fn)
+
+    def on_token(self, fn):
+        """Calls `fn()` on the consuming thread each time the engine produces a token."""
+        self._on_token.append(fn)
 
     def close(self):
         try:
@@ -185,12 +311,7 @@ class Generation:
             echo = (yield from self._prompt_echo()) if self._echo else None
             if self._echo and echo is None:
                 return          # cancelled while scoring the prompt
-            if self._runs == self._n:
-                for i in range(self._n):
-                    if not (yield from self._choice(i, echo, last=i == self._n - 1)):
-                        return
-            else:
-                yield from self._best_of(echo)
+            yield from self._choices.events(self._run, echo, self._tally)
         except ApiError:
             raise
         except ConstraintError as e:
@@ -204,29 +325,6 @@ class Generation:
             raise EngineError(f"The server had an error while generating (request id {self.request_id})") from e
         finally:
             self._cleanup()
-
-    def _best_of(self, echo):
-        # NOTE(best_of): every run is buffered, then the n with the best cumulative logprob are
-        # sent, renumbered; usage counts all runs (they were all generated).
-        runs = []
-        for i in range(self._runs):
-            events = []
-            for event in self._choice(i, echo, last=False):
-                if isinstance(event, KeepAlive):
-                    yield event
-                else:
-                    events.append(event)
-            if not events or not isinstance(events[-1], Finished):
-                return          # cancelled
-            runs.append(events)
-        skip = 1 if echo is not None else 0         # the echoed prompt is the same in every run
-        best = sorted(range(len(runs)), key=lambda r: -_cumulative_logprob(runs[r], skip))[:self._n]
-        for index, r in enumerate(best):
-            for event in runs[r]:
-                if isinstance(event, TextDelta):
-                    yield TextDelta(event.text, event.logprobs if self._report else None, index)
-                else:
-                    yield Finished(event.reason, self.usage, event.stop_string, index, index == self._n - 1)
 
     def _prompt_echo(self):
         """The echoed prompt: its text and, with logprobs, its tokens' logprobs (the first is None);
@@ -247,9 +345,9 @@ class Generation:
                 break
             scored += event.entries if isinstance(event, Scores) else []
             yield from self._keep_alive()
-        steps, self._steps = self._steps, None
-        compute.run(steps.close)
-        return TextDelta(text, [self._entry(t, lp, top) for t, (lp, top) in zip(self._ids, scored)])
+        self._close_steps()
+        tokenizer = self._engine.tokenizer
+        return TextDelta(text, [logprob_entry(tokenizer, t, lp, top) for t, (lp, top) in zip(self._ids, scored)])
 
     def _constraint(self):
         if self._grammar is not None:       # NOTE(thinking): a grammar governs the whole reply
@@ -258,19 +356,17 @@ class Generation:
             return self._engine.thinking_budget(self._thinking_budget, self._ids)
         return None
 
-    def _choice(self, i, echo, last):
-        """One choice's events; returns False when the run was cancelled."""
+    def _run(self, i, last):
+        """One choice's events, paced; returns False when the run was cancelled."""
         params = self._params
         params = dataclasses.replace(
             params, seed=None if params.seed is None else (params.seed + i) % 2 ** 64,
             constraint=self._constraint())
-        if echo is not None:
-            yield TextDelta(echo.text, echo.logprobs if self._report else None, i)
-        if params.max_new_tokens == 0:
-            self._account(0, 0)
-            yield Finished(FinishReason.LENGTH, self.usage, None, i, last)
+        run = RunTranslator(self._engine.tokenizer, self._tally, i, last, params.logprobs is not None,
+                            self._report, self._end_listed)
+        if params.max_new_tokens == 0:      # echo only: the prompt was scored, nothing is generated
+            yield run.cut()
             return True
-        self._completion_tokens, self._lp_pending = 0, []
         self._steps = yield from self._await(compute.submit(
             self._engine.generate, self._ids, params, should_stop=self._cancel.is_set, client=self._client))
         while True:
@@ -281,15 +377,29 @@ class Generation:
                 # NOTE(slot): closed on the compute thread now, so the next choice (n, best_of) finds
                 # its engine slot free; left to the garbage collector it would close on this thread.
                 self._close_steps()
-            for out in self._translate(event, i, last):
-                self._quiet_since = time.monotonic()
-                yield out
+            yield from self._send(run, event)
             if isinstance(event, Finish):
                 return event.reason != FinishReason.CANCELLED
             if self._out_of_time():
-                yield self._end_for_time(i, last)
+                # NOTE(time-limit): text the engine still holds back (a possible stop string) is dropped.
+                self._close_steps()
+                self.time_limited = True
+                yield run.cut()
+                self.finish_reason = run.finish_reason
                 return True
             yield from self._keep_alive()
+
+    def _send(self, run, event):
+        outs = run.translate(event)
+        if isinstance(event, Token):
+            for fn in self._on_token:
+                fn()
+            if outs:
+                self.first_token_at = self.first_token_at or time.monotonic()
+        self.finish_reason = run.finish_reason or self.finish_reason
+        for out in outs:
+            self._quiet_since = time.monotonic()
+            yield out
 
     def _keep_alive(self):
         if time.monotonic() - self._quiet_since >= self._keepalive:
@@ -299,13 +409,6 @@ class Generation:
 
     def _out_of_time(self):
         return bool(self._time_limit) and time.monotonic() - self.started_at >= self._time_limit
-
-    def _end_for_time(self, i, last):
-        # NOTE(time-limit): text the engine still holds back (a possible stop string) is dropped.
-        self._close_steps()
-        self.time_limited, self.finish_reason = True, FinishReason.LENGTH
-        self._account(self._completion_tokens, 0)
-        return Finished(FinishReason.LENGTH, self.usage, None, i, last)
 
     def _close_steps(self):
         steps, self._steps = self._steps, None
@@ -340,60 +443,6 @@ class Generation:
             self._pending = None
             return result
 
-    def _translate(self, event, i, last):
-        if isinstance(event, Token):
-            self._completion_tokens += 1
-            self._unaccounted += 1
-            for fn in self._on_token:
-                fn()
-            if event.logprob is not None:
-                self._lp_pending.append(self._entry(event.id, event.logprob, event.top_logprobs))
-            if event.text:
-                self.first_token_at = self.first_token_at or time.monotonic()
-                yield TextDelta(event.text, self._take_logprobs(), i)
-        elif isinstance(event, Finish):
-            self.finish_reason = event.reason
-            if event.reason == FinishReason.CANCELLED:
-                return
-            completion = self._completion_count(event)
-            if event.text or self._lp_pending or (self._report and not completion):
-                yield TextDelta(event.text, self._take_logprobs(), i)   # logprobs: [] when nothing came
-            self._account(completion, event.cached_tokens)
-            yield Finished(event.reason, self.usage, event.stop_string, i, last)
-        elif not isinstance(event, (Prefill, Paused)):
-            raise TypeError(f"unexpected engine event {event!r}")
-
-    def _completion_count(self, finish):
-        """Tokens this choice generated. NOTE(eos): with logprobs the engine also sends the end
-        token that stopped the run (one Token more than it counts). Completions list and count it,
-        as OpenAI's legacy API lists `<|endoftext|>`, so echo's tokens are prompt + generated
-        (lm-eval slices on that); the chat routes list no end token."""
-        ended = self._completion_tokens == finish.completion_tokens + 1 and self._lp_pending
-        if ended and not self._end_listed:
-            self._lp_pending.pop()
-            return finish.completion_tokens
-        return max(finish.completion_tokens, self._completion_tokens)
-
-    def _take_logprobs(self):
-        if self._params.logprobs is None:
-            return None
-        out, self._lp_pending = self._lp_pending, []
-        return out
-
-    def _account(self, completion_tokens, cached_tokens):
-        self._unaccounted = 0
-        if self.usage is None:
-            self.usage = Usage(len(self._ids), completion_tokens, cached_tokens)
-        else:
-            self.usage = Usage(self.usage.prompt_tokens, self.usage.completion_tokens + completion_tokens,
-                               self.usage.cached_tokens)
-
-    def _entry(self, token_id, logprob, top):
-        tokenizer = self._engine.tokenizer
-        text, data = _token_text(tokenizer, token_id)
-        width = 0 if tokenizer.is_special(token_id) else sum(1 for b in data if b & 0xC0 != 0x80)
-        return TokenLogprob(text, data, logprob, [(*_token_text(tokenizer, t), lp) for t, lp in top or ()], width)
-
     def _cleanup(self):
         if self._cleaned:
             return
@@ -413,17 +462,14 @@ class Generation:
                 fn()
 
 
-def _token_text(tokenizer, token_id):
-    """(text, bytes) of one token for logprobs: special tokens by name, invalid UTF-8 as \\x escapes."""
-    data = tokenizer.token_bytes(token_id)
-    if tokenizer.is_special(token_id) or not data:
-        return tokenizer.id_to_piece(token_id) or "", data
-    return data.decode("utf-8", "backslashreplace"), data
+def logprob_entry(tokenizer, token_id, logprob, top):
+    """A TokenLogprob for a token and its top alternatives [(id, logprob)], as the tokenizer shows them."""
+    text, data, width = tokenizer.token_text(token_id)
+    return TokenLogprob(text, data, logprob, [(*tokenizer.token_text(t)[:2], lp) for t, lp in top or ()], width)
 
 
-def _cumulative_logprob(events, skip):
-    deltas = [e for e in events if isinstance(e, TextDelta)][skip:]
-    return sum(t.logprob for d in deltas for t in d.logprobs or () if t.logprob is not None)
+def _cumulative_logprob(events):
+    return sum(t.logprob for e in events if isinstance(e, TextDelta) for t in e.logprobs or () if t.logprob is not None)
 
 
 class PromptBatch:
@@ -435,14 +481,14 @@ class PromptBatch:
     last Finished carries the usage of all prompts. Same attributes as a Generation.
     """
 
-    def __init__(self, gens, n, cancel, keepalive):
+    def __init__(self, gens, n, cancel, keepalive, on_close=()):
         self._gens, self._n, self._cancel, self._keepalive = gens, n, cancel, keepalive
         self.model_id, self.request_id = gens[0].model_id, gens[0].request_id
         self.plan = None                  # completions only: no chat output plan
         self.prompt_tokens = sum(g.prompt_tokens for g in gens)
         self.enqueued_at = min(g.enqueued_at for g in gens)
         self._usages = {}                 # prompt index -> its run's final Usage
-        self._on_close, self._cleaned = [], False
+        self._on_close, self._cleaned = list(on_close), False
         self._gen = self._events()
 
     # ---- what logs and metrics read, folded over the runs
@@ -486,10 +532,6 @@ class PromptBatch:
 
     def on_close(self, fn):
         self._on_close.append(fn)
-
-    def limit_time(self, seconds):
-        for gen in self._gens:
-            gen.limit_time(seconds)
 
     def on_token(self, fn):
         for gen in self._gens:

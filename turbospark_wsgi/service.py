@@ -102,24 +102,24 @@ class Service:
         # and tokenized: that work, sharing the GIL with a busy compute thread, made 503s slow.
         self.queue.check_room()
         lease = self.registry.acquire(req.model)
+        # NOTE(lease): a model in use is never unloaded: the generation releases it when it closes
+        on_close = (lease.release, lambda: metrics.observe_queue(self.queue))
         try:
             _generating(lease.engine, req.model or self.default_model)
-            gen = self._admit(lease.engine, req, cancel)
+            gen = self._admit(lease.engine, req, cancel, on_close)
         except BaseException:
             lease.release()
             raise
-        gen.limit_time(self.config.max_generation_seconds)
-        gen.on_close(lease.release)             # NOTE(lease): a model in use is never unloaded
-        gen.on_close(lambda: metrics.observe_queue(self.queue))
         metrics.observe_queue(self.queue)
         return gen
 
-    def _admit(self, engine, req, cancel):
+    def _admit(self, engine, req, cancel, on_close):
         if req.prompts is not None:
-            return self._admit_batch(engine, req, cancel)
+            return self._admit_batch(engine, req, cancel, on_close)
         ids, params, grammar, plan = self._prepare(engine, req)
         ticket = self.queue.enqueue(cancel, client=req.client)
-        return Generation(engine, ids, params, req, cancel, ticket, self.config.keepalive, grammar, plan=plan)
+        return Generation(engine, ids, params, req, cancel, ticket, self.config.keepalive, grammar, plan=plan,
+                          time_limit=self.config.max_generation_seconds, on_close=on_close)
 
     def _prepare(self, engine, req):
         """(prompt ids, sampling params, compiled grammar or None, the chat's OutputPlan or None)."""
@@ -130,7 +130,7 @@ class Service:
         self._check_logit_bias(engine, params)
         return ids, params, self._grammar(engine, plan), plan
 
-    def _admit_batch(self, engine, req, cancel):
+    def _admit_batch(self, engine, req, cancel, on_close):
         """A prompt list: every prompt is checked first, then each takes its own queue place and
         runs as its own sequence of the running batch (a PromptBatch drives them side by side)."""
         room = self.queue.slots + self.queue.max_waiting
@@ -147,12 +147,12 @@ class Service:
                 cancel.on_cancel(token.cancel)
                 ticket = self.queue.enqueue(token, client=req.client)
                 gens.append(Generation(engine, ids, params, r, token, ticket, self.config.keepalive, grammar,
-                                       poll=True))
+                                       poll=True, time_limit=self.config.max_generation_seconds))
         except BaseException:
             for gen in gens:
                 gen.close()         # NOTE(overload): a list the queue cannot hold takes no place
             raise
-        return PromptBatch(gens, req.n, cancel, self.config.keepalive)
+        return PromptBatch(gens, req.n, cancel, self.config.keepalive, on_close)
 
     @property
     def default_model(self):

@@ -166,6 +166,14 @@ def test_stories_byte_fallback(stories):
     assert stories.token_bytes(stories.piece_to_id("\u2581a")) == b" a"
 
 
+def test_token_text_is_what_logprobs_show(stories):
+    lead, *rest = stories.encode("a😀")[-4:]
+    assert stories.token_text(lead) == ("\\xf0", b"\xf0", 1)        # a lead byte: one character of the text
+    assert [stories.token_text(i)[2] for i in rest] == [0, 0, 0]      # continuation bytes add none
+    assert stories.token_text(stories.piece_to_id("\u2581a")) == (" a", b" a", 2)
+    assert stories.token_text(1) == ("<s>", stories.token_bytes(1), 0)     # special: by name, no width
+
+
 def test_merges_from_scores_orders_by_score_then_length():
     tokens = ["a", "b", "c", "ab", "bc", "abc"]
     merges = merges_from_scores(tokens, [0, 0, 0, -2.0, -1.0, -3.0])

@@ -52,9 +52,8 @@ def reference(model_dir):
 def token_ids(model_dir):
     """Token text (as the logprobs report it) -> id, from the served model's own tokenizer."""
     from turbospark_wsgi.engine import load_engine
-    from turbospark_wsgi.generation import _token_text
     tokenizer = load_engine(str(model_dir), device="cpu").tokenizer
-    table = {_token_text(tokenizer, i)[0]: i for i in range(tokenizer.vocab_size)}
+    table = {tokenizer.token_text(i)[0]: i for i in range(tokenizer.vocab_size)}
     assert len(table) == tokenizer.vocab_size
     return lambda texts: [table[t] for t in texts]
 

@@ -12,12 +12,8 @@ class EngineTokenizer(Protocol):
     @property
     def eos_token(self) -> str | None: ...
 
-    def id_to_piece(self, token_id: int) -> str | None: ...
-
-    def is_special(self, token_id: int) -> bool: ...
-
-    def token_bytes(self, token_id: int) -> bytes:
-        """The raw bytes one token stands for (b"" for an id outside the vocabulary)."""
+    def token_text(self, token_id: int) -> tuple[str, bytes, int]:
+        """(text, bytes, width) of one token as logprobs show it (special tokens by name, width 0)."""
 
 
 class ModelConfig(Protocol):

@@ -223,6 +223,15 @@ class Tokenizer:
             data = self._bytes[token_id] = b"" if piece is None else self._piece_bytes(piece)
         return data
 
+    def token_text(self, token_id):
+        """(text, bytes, width) of one token as logprobs show it: a special token by its name (width
+        0), any other as its bytes decoded, invalid UTF-8 as \\x escapes; width is the characters it
+        adds to the decoded text."""
+        data = self.token_bytes(token_id)
+        if self.is_special(token_id) or not data:
+            return self.id_to_piece(token_id) or "", data, 0
+        return data.decode("utf-8", "backslashreplace"), data, sum(1 for b in data if b & 0xC0 != 0x80)
+
 
 class IncrementalDecoder:
     """Turns generated ids into text deltas whose concatenation (plus `flush`) equals `decode`.
