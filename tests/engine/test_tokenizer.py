@@ -303,3 +303,118 @@ def test_from_hf_dir_matches_transformers(tmp_path):
         ids = ours.encode(text)
         assert ids == hf.encode(text, add_special_tokens=False)
         assert ours.decode(ids) == hf.decode(ids, skip_special_tokens=True)
+
+
+# ---- Qwen byte-level BPE ("qwen2" pre-tokenizer), against Hugging Face's Qwen2 tokenizer
+
+QWEN_CONTROL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+QWEN_USER = ["<tool_call>", "</tool_call>", "<think>", "</think>"]     # added tokens that are not special
+QWEN_CORPUS = [
+    "Hello, world! It's 2024; we'll see what they've done. I'M SURE YOU'LL LIKE IT.",
+    "def add(a, b):\n    return a + b\n\n\nprint(add(12, 345))\n", "    indented\n\tline\r\n",
+    "你好，世界。日本語のテキストと한국어 문장。", "emoji 😀🎉👍🏽 and café naïve Ünïcödé façade",
+    "numbers 1 22 333 4444 3.14159 1,000,000 x² ½ ① Ⅻ ٣", "the the the they there their then",
+]
+QWEN_TRICKY = [
+    "It's 2024; we'll see. I'M HERE, YOU'LL SEE: 'Re 'VE 'd 'LL", "12345 678.9 0x1F 1,000,000 3.14",
+    "   leading and    inner runs\t\t\ttabs\n\n\n  newline runs  ", "trailing   ", "a  5", "[\n    1,\n]",
+    "你好，世界。日本語のテキスト한국어", "😀 emoji 🎉👍🏽 👨‍👩‍👧 mix", "café naïve", "cafe\u0301 A\u030a",
+    "x²+y½ ① Ⅻ ٣ ＡＢＣ ﬁ", "def f(a, b):\n    return a+b\n", "\r\n\r\n", " ", "",
+    "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n", "<think>\nhmm\n</think>\n\nok",
+    '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call><|endoftext|>',
+]
+QWEN_PARTS = FUZZ_PARTS + ["e\u0301", "A\u030a", "ﬁ", "'S", "'LL", "한", "<think>", "</tool_call>"]
+
+
+def qwen_meta():
+    """GGUF tokenizer metadata shaped like Qwen2.5's: a byte-level BPE trained here with Qwen's split,
+    its control tokens and the not-special added tokens (`<think>`, `<tool_call>`) after the merges."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+    from tokenizers import Regex, normalizers
+    backend = Backend(models.BPE())
+    backend.normalizer = normalizers.NFC()
+    backend.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), "isolated"),
+                                                     pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    trainer = trainers.BpeTrainer(vocab_size=700, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    backend.train_from_iterator(QWEN_CORPUS * 10, trainer)
+    model = json.loads(backend.to_str())["model"]
+    tokens = sorted(model["vocab"], key=model["vocab"].get) + QWEN_CONTROL + QWEN_USER
+    n = len(tokens) - len(QWEN_CONTROL) - len(QWEN_USER)
+    return transformers, {
+        "tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "qwen2", "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.token_type": [1] * n + [3] * len(QWEN_CONTROL) + [4] * len(QWEN_USER),
+        "tokenizer.ggml.merges": [" ".join(m) if isinstance(m, list) else m for m in model["merges"]],
+        "tokenizer.ggml.eos_token_id": tokens.index("<|im_end|>"), "tokenizer.ggml.add_bos_token": False}
+
+
+@pytest.fixture(scope="module")
+def qwen_pair():
+    """Ours from GGUF metadata, and transformers' own Qwen2 tokenizer on the same vocabulary."""
+    transformers, meta = qwen_meta()
+    tokens = meta["tokenizer.ggml.tokens"]
+    hf = transformers.Qwen2Tokenizer(vocab={t: i for i, t in enumerate(tokens)},
+                                     merges=[tuple(m.split(" ")) for m in meta["tokenizer.ggml.merges"]])
+    hf.add_tokens([AddedToken(t, special=True, normalized=False) for t in QWEN_CONTROL], special_tokens=True)
+    hf.add_tokens([AddedToken(t, special=False, normalized=False) for t in QWEN_USER])
+    assert [hf.convert_tokens_to_ids(t) for t in QWEN_CONTROL + QWEN_USER] == \
+        [tokens.index(t) for t in QWEN_CONTROL + QWEN_USER]
+    return Tokenizer.from_gguf_metadata(meta), hf, meta
+
+
+@pytest.mark.parametrize("text", QWEN_TRICKY)
+def test_qwen_ids_match_transformers_qwen2_tokenizer(qwen_pair, text):
+    ours, hf, _ = qwen_pair
+    ids = ours.encode(text)
+    assert ids == hf.encode(text, add_special_tokens=False)
+    assert ours.decode(ids, skip_special=False) == hf.decode(ids, skip_special_tokens=False)
+    assert ours.decode(ids) == hf.decode(ids, skip_special_tokens=True)
+
+
+def test_qwen_fuzz_ids_match_transformers_qwen2_tokenizer(qwen_pair):
+    ours, hf, _ = qwen_pair
+    texts = fuzz_strings(11, 800, QWEN_PARTS)
+    assert sum(not unicodedata.is_normalized("NFC", t) for t in texts) > 100     # decomposed input is covered
+    assert [ours.encode(t) for t in texts] == [hf.encode(t, add_special_tokens=False) for t in texts]
+
+
+@pytest.mark.parametrize("text, pieces", [
+    ("abc 123", ["abc", "Ġ", "1", "2", "3"]),                   # every digit alone, the space apart
+    ("I'M HERE'S", ["I", "'M", "ĠHERE", "'S"]),                 # contractions in any case
+    ("a\n\n  b", ["a", "ĊĊ", "Ġ", "Ġb"]),                       # newlines apart, one space kept for the word
+    ("x, y!!\n", ["x", ",", "Ġy", "!!Ċ"]),                      # punctuation takes the newlines after it
+    ("你好 😀👍", ["ä½łå¥½", "ĠðŁĺĢðŁĳį"]),
+])
+def test_qwen_split(qwen_pair, text, pieces):
+    ours, hf, _ = qwen_pair
+    split = [p for p, _ in ours.backend.pre_tokenizer.pre_tokenize_str(text)]
+    assert split == [p for p, _ in hf.backend_tokenizer.pre_tokenizer.pre_tokenize_str(text)] == pieces
+
+
+def test_qwen_composes_to_nfc_before_the_split(qwen_pair):
+    ours, hf, _ = qwen_pair
+    assert ours.encode("cafe\u0301") == ours.encode("café") == hf.encode("café", add_special_tokens=False)
+
+
+def test_qwen_gguf_file_matches_transformers_gguf_tokenizer_on_nfc_text(qwen_pair, tmp_path):
+    """transformers reading the same GGUF file (it applies no NFC, as llama.cpp): equal on NFC text."""
+    import gguf
+    ours, hf, meta = qwen_pair
+    w = gguf.GGUFWriter(str(tmp_path / "qwen-vocab.gguf"), "qwen2")
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    w.add_token_list(meta["tokenizer.ggml.tokens"])
+    w.add_token_types(meta["tokenizer.ggml.token_type"])
+    w.add_token_merges(meta["tokenizer.ggml.merges"])
+    w.add_eos_token_id(meta["tokenizer.ggml.eos_token_id"])
+    w.add_add_bos_token(False)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    from_file = Tokenizer.from_gguf_metadata(read_metadata(tmp_path / "qwen-vocab.gguf"))
+    gguf_hf = hf_gguf_tokenizer(str(tmp_path), "qwen-vocab.gguf")
+    texts = [t for t in QWEN_TRICKY + fuzz_strings(12, 300, QWEN_PARTS) if unicodedata.is_normalized("NFC", t)]
+    assert [from_file.encode(t) for t in texts] == [gguf_hf.encode(t, add_special_tokens=False) for t in texts]
+    assert from_file.stop_ids == frozenset({meta["tokenizer.ggml.eos_token_id"]})

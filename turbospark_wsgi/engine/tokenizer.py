@@ -5,7 +5,7 @@ import json
 import logging
 import os
 
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as _Backend
 
 log = logging.getLogger(__name__)
@@ -22,6 +22,9 @@ _PRE_SPLITS = {
     "llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "smaug-bpe": _LLAMA3_SPLIT,
     "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT,
 }
+# NOTE(nfc): Qwen2/2.5/3's own tokenizer (Qwen2TokenizerFast, tokenizer.json) composes the text to NFC before
+# the split; llama.cpp and transformers' GGUF tokenizer skip that step, so they differ on decomposed input.
+_NFC_FIRST = ("qwen2",)
 _DIGITS_FIRST = ("smollm", "starcoder", "refact")   # every numeric char alone, then the GPT-2 regex
 _DEFAULT_PRE = ("default", "gpt2", "gpt-2")
 
@@ -316,7 +319,10 @@ def _gguf_byte_level(meta):
     vocab = {t: i for i, t in enumerate(tokens)}
     merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", ())]
     backend = _Backend(_bpe(vocab, merges))
-    backend.pre_tokenizer = _byte_level_pre(meta.get("tokenizer.ggml.pre", "default"))
+    pre = meta.get("tokenizer.ggml.pre", "default")
+    if pre in _NFC_FIRST:
+        backend.normalizer = normalizers.NFC()
+    backend.pre_tokenizer = _byte_level_pre(pre)
     backend.decoder = decoders.ByteLevel()
     return _register_added(backend, meta)
 
