@@ -5,7 +5,7 @@ import pytest
 from tokenizers import Tokenizer as Backend
 from tokenizers import models
 
-from turbospark_wsgi.engine.chat_template import CHATML_TEMPLATE, ChatTemplate, TemplateError
+from turbospark_wsgi.engine.chat_template import CHATML_TEMPLATE, GEMMA3_TEMPLATE, ChatTemplate, TemplateError
 from turbospark_wsgi.engine.gguf import read_metadata
 from turbospark_wsgi.engine.tokenizer import Tokenizer
 
@@ -237,6 +237,26 @@ def test_llama31_template_matches_transformers(messages, tools, extra):
     ours = ChatTemplate(LLAMA31_TEMPLATE, "<|begin_of_text|>", "<|eot_id|>")
     expected = hf_render(hf, messages, tools=tools, add_generation_prompt=True, **extra)
     assert ours.render(messages, tools=tools, **extra) == expected
+
+
+@pytest.mark.parametrize("messages", CONVERSATIONS + [[{"role": "user", "content": [
+    {"type": "text", "text": "  part one "}, {"type": "text", "text": "two"}]}]])
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_gemma3_template_matches_transformers(messages, add_generation_prompt):
+    """Gemma 3's template (the fallback for Gemma 3 files without one): no system role, the system
+    text opens the first user turn; the assistant is "model"."""
+    hf = hf_tokenizer_with(GEMMA3_TEMPLATE, bos="<bos>", eos="<eos>")
+    ours = ChatTemplate(GEMMA3_TEMPLATE, "<bos>", "<eos>")
+    expected = hf_render(hf, messages, add_generation_prompt=add_generation_prompt)
+    assert ours.render(messages, add_generation_prompt=add_generation_prompt) == expected
+
+
+def test_gemma3_template_renders_system_into_the_first_turn_and_refuses_two_users():
+    ours = ChatTemplate(GEMMA3_TEMPLATE, "<bos>", "<eos>")
+    assert ours.render(CONVERSATIONS[1]) == ("<bos><start_of_turn>user\nYou are terse.\n\nWhat is 2+2?<end_of_turn>\n"
+                                             "<start_of_turn>model\n")
+    with pytest.raises(TemplateError, match="alternate"):
+        ours.render([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}])
 
 
 def test_raise_exception_becomes_template_error():

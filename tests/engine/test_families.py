@@ -326,3 +326,20 @@ def test_norm_weight_owns_gemmas_plus_one():
     assert np.array_equal(norm_weight(gemma, w, "hf"), w + 1) and norm_weight(gemma, w, "hf").dtype == np.float32
     assert np.array_equal(norm_weight(gemma, w, "gguf"), w)
     assert np.array_equal(norm_weight(llama, w, "hf"), w)
+
+
+@pytest.mark.parametrize("family, template", [("gemma3", "gemma3"), ("qwen3", "chatml")])
+def test_a_file_without_a_template_gets_its_architectures(tmp_path, family, template):
+    """Gemma 3 GGUF conversions of the base models ship no chat template: they get Gemma's own
+    (no system role, "model" turns), the other families ChatML."""
+    from turbospark_wsgi.engine.chat_template import CHATML_TEMPLATE, GEMMA3_TEMPLATE
+    from turbospark_wsgi.engine.engine import Engine
+    path, _, _ = family_gguf(tmp_path, family, "Q8_0")
+    shipped = load_engine(path, device="cpu", max_batch=1)
+    shipped.tokenizer.chat_template = None
+    engine = Engine(shipped.loaded, shipped.tokenizer, max_batch=1)
+    assert engine.template.source == {"gemma3": GEMMA3_TEMPLATE, "chatml": CHATML_TEMPLATE}[template]
+    text = engine.render_chat([{"role": "system", "content": "S"}, {"role": "user", "content": "u"}])
+    assert text == {"gemma3": f"{engine.tokenizer.bos_token}<start_of_turn>user\nS\n\nu<end_of_turn>\n<start_of_turn>model\n",
+                    "chatml": "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nu<|im_end|>\n"
+                              "<|im_start|>assistant\n"}[template]

@@ -10,6 +10,7 @@ from turbospark_wsgi.config import Config
 STORIES = Path("/work/shared/models/stories260K.gguf")
 MODELS = Path(os.environ.get("TURBOSPARK_MODELS") or "~/.cache/turbospark/models").expanduser()
 SMOLLM = MODELS / "SmolLM2-135M-Instruct.Q4_1.gguf"
+GEMMA3 = MODELS / "gemma-3-270m-q4_k_m.gguf"
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say hi."}]
 
 
@@ -66,3 +67,27 @@ def test_smollm_count_tokens_equals_input_tokens(smollm):
            "temperature": 0}
     counted = smollm.post_json("/v1/messages/count_tokens", req).json["input_tokens"]
     assert counted == smollm.post_json("/v1/messages", req).json["usage"]["input_tokens"]
+
+
+@pytest.fixture(scope="module")
+def gemma3(tmp_path_factory):
+    return app_for(GEMMA3, tmp_path_factory)
+
+
+@pytest.mark.slow
+def test_gemma3_chat_and_stream(gemma3):
+    """Gemma 3 270M (no system role: its template folds the system text into the user turn) answers
+    and streams the same text; the prompt is the engine's rendering of the conversation."""
+    import json
+    from turbospark_wsgi.engine import load_engine
+    engine = load_engine(str(GEMMA3), device="cpu", max_batch=1)
+    req = {"messages": MESSAGES, "max_tokens": 12, "temperature": 0}
+    body = gemma3.post_json("/v1/chat/completions", req).json
+    assert body["usage"]["prompt_tokens"] == len(engine.apply_chat_template(MESSAGES))
+    assert body["choices"][0]["message"]["content"]
+    resp = gemma3.post_json("/v1/chat/completions", {**req, "stream": True, "stream_options": {"include_usage": True}})
+    chunks = [json.loads(line[6:]) for line in resp.text.split("\n") if line.startswith("data: {")]
+    assert len(chunks) > 3
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+    assert text == body["choices"][0]["message"]["content"]
+    assert chunks[-1]["usage"] == body["usage"]

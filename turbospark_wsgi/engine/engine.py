@@ -4,7 +4,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .chat_template import ChatTemplate
+from .chat_template import ARCH_TEMPLATES, ChatTemplate
 from .constraints import ConstraintCompiler, ThinkingBudget
 from .encoder import normalize
 from .events import Finish
@@ -52,9 +52,9 @@ class Engine:
         cap = self.config.max_seq_len
         self.max_context = min(cap, max_context) if max_context else cap
         self.prefill_chunk = prefill_chunk
-        # NOTE(template): no template shipped means ChatML (ChatTemplate's fallback).
-        self.template = ChatTemplate(tokenizer.chat_template, tokenizer.bos_token, tokenizer.eos_token,
-                                     tokenizer.special_tokens)
+        # NOTE(template): no template shipped means the architecture's own (Gemma 3), else ChatML.
+        self.template = ChatTemplate(tokenizer.chat_template or ARCH_TEMPLATES.get(self.config.arch),
+                                     tokenizer.bos_token, tokenizer.eos_token, tokenizer.special_tokens)
         self._constraints = ConstraintCompiler(tokenizer, self.config.vocab_size)
         self.max_batch = max_batch
         self.pooling = _pooling(loaded)
