@@ -1,8 +1,8 @@
 """gunicorn workers under which a slow client costs a buffer, not a worker thread.
 
-`ThreadWorker` (gthread): a request's head, and a Content-Length body up to TURBOSPARK_MAX_BODY,
-are read off the socket by the worker's loop as they arrive; a thread runs only once the request
-is all there. `GeventWorker`: a connection may idle for the keep-alive time, but once a request's
+`ThreadWorker` (gthread): a request's head, and its body up to TURBOSPARK_MAX_BODY (Content-Length
+or chunked), are read off the socket by the worker's loop as they arrive; a thread runs only once
+the request is all there (or its framing is for the server's reader to refuse). `GeventWorker`: a connection may idle for the keep-alive time, but once a request's
 first byte is in, its head must follow within TURBOSPARK_HEADER_TIMEOUT.
 
 Under both, a full server's 503 to a generation request (refusal.py) is written as soon as the
@@ -22,6 +22,7 @@ import selectors
 import socket
 import time
 from concurrent import futures
+from dataclasses import dataclass
 from functools import partial
 
 from gunicorn import SERVER, util
@@ -39,6 +40,10 @@ _HEAD_END = re.compile(rb"\r?\n\r?\n")
 _CONTENT_LENGTH = re.compile(rb"\ncontent-length[ \t]*:[ \t]*([0-9]{1,15})[ \t]*(?=\r?\n)", re.IGNORECASE)
 _TRANSFER_ENCODING = re.compile(rb"\ntransfer-encoding[ \t]*:", re.IGNORECASE)
 _EXPECT = re.compile(rb"\nexpect[ \t]*:", re.IGNORECASE)
+_CHUNKED = re.compile(rb"\ntransfer-encoding[ \t]*:[ \t]*chunked[ \t]*\r?\n", re.IGNORECASE)
+_CHUNK_SIZE = re.compile(rb"([0-9A-Fa-f]{1,16})(?:;[^\r\n]*)?\r\n")
+_SIZE_LINE = 1024                           # a longer chunk-size line (extensions included) is refused
+_CHUNKS_PER_SCAN = 4096                     # more chunks than this go to a thread's reader, never the loop's
 _REQUEST_LINE = re.compile(rb"([A-Z]{1,20}) (/[!-~]*) HTTP/1\.([01])\r\n")
 _FIELD = re.compile(rb"([!#$%&'*+.^_`|~0-9A-Za-z-]+):[ \t]*([!-~](?:[ -~\t]*[!-~])?)?[ \t]*\r\n")
 _WAIT, _READY, _EXPIRED, _CLOSED = "wait", "ready", "expired", "closed"
@@ -110,13 +115,13 @@ class ThreadWorker(gthread.ThreadWorker):
         if self.answer_early(conn):
             return None
         conn.parser.unreader.unread(bytes(conn.pending))
-        conn.pending, conn.deadline = bytearray(), None
+        conn.pending, conn.deadline, conn.chunks = bytearray(), None, None
         return super().enqueue_req(conn)
 
     def fill(self, conn):
         """Reads what the socket holds now into `conn.pending`; _READY once it holds a whole request."""
         if not hasattr(conn, "pending"):
-            conn.pending, conn.deadline = bytearray(), None
+            conn.pending, conn.deadline, conn.chunks = bytearray(), None, None
             conn.init()
         pending = conn.pending
         pending += take_buffered(conn.parser.unreader)
@@ -170,7 +175,7 @@ class ThreadWorker(gthread.ThreadWorker):
         if sent != len(data):
             keepalive = False               # a client that does not read its answers loses its connection
         rest = bytes(pending[end:])
-        conn.pending, conn.deadline = bytearray(), None
+        conn.pending, conn.deadline, conn.chunks = bytearray(), None, None
         if keepalive and rest:
             conn.parser.unreader.unread(rest)   # a pipelined request: finish_request dispatches it
         self.done(conn, keepalive)
@@ -187,7 +192,14 @@ class ThreadWorker(gthread.ThreadWorker):
                 return _READY               # over gunicorn's limits: its parser refuses it
             return _EXPIRED if late(conn, "head", self.header_timeout) else _WAIT
         length = body_length(pending[:head_end])
-        if length is None or len(pending) >= head_end + min(length, self.max_body):
+        if length is not None:
+            whole = len(pending) >= head_end + min(length, self.max_body)
+        elif _CHUNKED.search(pending, 0, head_end) and not _EXPECT.search(pending, 0, head_end):
+            conn.chunks = scan_chunks(pending, conn.chunks or ChunkScan(head_end), self.max_body, self.max_head)
+            whole = conn.chunks.done
+        else:
+            whole = True                    # no body, or a framing the server's reader judges
+        if whole:
             return _READY
         return _EXPIRED if late(conn, "body", self.body_timeout) else _WAIT
 
@@ -381,6 +393,41 @@ def body_length(head):
         return None
     lengths = {m.group(1) for m in _CONTENT_LENGTH.finditer(head)}
     return int(lengths.pop()) if len(lengths) == 1 else None
+
+
+@dataclass(slots=True)
+class ChunkScan:
+    """How far a chunked body is known to be framed: `pos` in the buffer, `size` of its data."""
+    pos: int
+    size: int = 0
+    done: bool = False                      # whole, or for the server's reader to refuse
+
+
+def scan_chunks(buf, scan, limit, trailer_limit):
+    """Follows a chunked body in `buf` from where `scan` stopped (each chunk is read once, however
+    many times the buffer grows). Done once the last chunk and the trailers are in, and also at the
+    first thing the reader must refuse (a bad size line or CRLF, data past `limit` bytes): the
+    server's reader then answers it, and the app's body limit, at once."""
+    pos, size = scan.pos, scan.size
+    for _ in range(_CHUNKS_PER_SCAN):
+        line = _CHUNK_SIZE.match(buf, pos)
+        if line is None:
+            incomplete = buf.find(b"\n", pos, pos + _SIZE_LINE) < 0 and len(buf) - pos <= _SIZE_LINE
+            return ChunkScan(pos, size, done=not incomplete)
+        chunk = int(line.group(1), 16)
+        if chunk == 0:
+            end = buf.find(b"\r\n\r\n", line.end() - 2, line.end() + trailer_limit)
+            whole = end >= 0 or len(buf) - line.end() > trailer_limit
+            return ChunkScan(pos, size, done=whole)
+        if size + chunk > limit:
+            return ChunkScan(pos, size, done=True)
+        end = line.end() + chunk
+        if len(buf) < end + 2:
+            return ChunkScan(pos, size)
+        if buf[end:end + 2] != b"\r\n":
+            return ChunkScan(pos, size, done=True)
+        pos, size = end + 2, size + chunk
+    return ChunkScan(pos, size, done=True)  # NOTE(cost): a body of tiny chunks is a thread's to read
 
 
 def parse_head(head, cfg):

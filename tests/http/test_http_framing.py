@@ -217,3 +217,37 @@ def test_the_thread_worker_buffers_a_body_only_when_its_length_is_plain(head, le
 def test_the_thread_worker_finds_where_a_head_ends(data, end):
     from turbospark_wsgi.workers import find_head_end
     assert find_head_end(bytearray(data)) == end
+
+
+DATA = b'{"prompt": "hi"}'     # 16 bytes
+
+
+@pytest.mark.parametrize("body, done, size", [
+    (b"10\r\n" + DATA + b"\r\n0\r\n\r\n", True, 16),
+    (b"10;ext=1\r\n" + DATA + b"\r\n0\r\nX-T: 1\r\n\r\n", True, 16),
+    (b"8\r\n" + DATA[:8] + b"\r\n8\r\n" + DATA[8:] + b"\r\n0\r\n\r\n", True, 16),
+    (b"10\r\n" + DATA + b"\r\n0\r\n", False, 16),                # the final empty line is still to come
+    (b"10\r\n" + DATA[:5], False, 0),
+    (b"1", False, 0),
+    (b"", False, 0),
+    (b"zz\r\n" + DATA, True, 0),                                   # a bad size line: the reader's 400
+    (b"-5\r\n" + DATA, True, 0),
+    (b"1" * 2000, True, 0),                                        # a size line with no end
+    (b"10\r\n" + DATA + b"XX0\r\n\r\n", True, 0),                   # no CRLF after the data
+    (b"10000000000000000\r\n", True, 0),                           # more than 16 hex digits
+    (b"ffffffff\r\n" + DATA, True, 0),                              # over the limit: the app's 413
+    (b"1\r\na\r\n" * 5000 + b"0\r\n\r\n", True, 4096),               # many tiny chunks: a thread reads on
+])
+def test_the_thread_worker_follows_a_chunked_body(body, done, size):
+    from turbospark_wsgi.workers import ChunkScan, scan_chunks
+    head = b"POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n"
+    buf = bytearray(head + body)
+    scan = scan_chunks(buf, ChunkScan(len(head)), limit=1 << 20, trailer_limit=8192)
+    assert (scan.done, scan.size) == (done, size)
+    whole = scan_chunks(bytearray(head), ChunkScan(len(head)), 1 << 20, 8192)
+    for i in range(len(body)):              # byte by byte: each chunk read once, the same end
+        buf = bytearray(head + body[:i + 1])
+        whole = scan_chunks(buf, whole, 1 << 20, 8192)
+        if whole.done:
+            break
+    assert whole.done == done

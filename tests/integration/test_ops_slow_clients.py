@@ -246,6 +246,34 @@ def test_slow_heads_and_bodies_cost_no_thread_and_time_out(server):
     assert responsive(server.port, 0.5)
 
 
+SLOW_CHUNKED = head(Transfer_Encoding="chunked")                # then a chunked body, one byte at a time
+CHUNKED_BODY = b"7d0;x=1\r\n" + b" " * 2000 + b"\r\n0\r\n\r\n"
+
+
+def test_slow_chunked_bodies_cost_no_thread_and_time_out(server):
+    with Trickle(server.port, SLOW_CLIENTS // 2, CHUNKED_BODY, start=SLOW_CHUNKED) as bodies:
+        time.sleep(1)
+        assert responsive(server.port, TIMEOUT + 2) >= 3
+        deadline = time.monotonic() + TIMEOUT + 3
+        while bodies.refused < SLOW_CLIENTS // 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert bodies.refused == SLOW_CLIENTS // 2
+    assert responsive(server.port, 0.5)
+
+
+def test_a_chunked_body_sent_in_pieces_is_served(server):
+    payload = b"%x\r\n%s\r\n" % (len(BODY) - 5, BODY[:-5]) + b"5\r\n%s\r\n0\r\nX-Trailer: t\r\n\r\n" % BODY[-5:]
+    start = time.monotonic()
+    with socket.create_connection(("127.0.0.1", server.port), timeout=TIMEOUT + 6) as sock:
+        sock.sendall(SLOW_CHUNKED)
+        for i in range(0, len(payload), 7):
+            sock.sendall(payload[i:i + 7])
+            time.sleep(0.02)
+        status, body = parse(read_response(sock))
+    assert status == 200 and body["choices"][0]["text"], body
+    assert time.monotonic() - start < TIMEOUT
+
+
 # ---- nginx in front -------------------------------------------------------------------------------
 
 def upstream_connections(server):
