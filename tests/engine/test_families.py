@@ -26,6 +26,7 @@ tiny = _module("tiny_models_families", "conftest.py")
 parity = _module("parity_hf_families", "test_parity_hf.py")
 batching = _module("batching_families", "test_batching.py")
 _one_thread = parity._one_thread          # the same one-thread fixture as the llama parity tests
+_float32_activations = parity._float32_activations
 
 FAMILIES = {
     "qwen2": {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "use_sliding_window": False,

@@ -1,15 +1,28 @@
-"""Quantized block weights: decoding equals gguf's own dequantization, and the numba kernels equal
-dequantize-then-matmul for every supported type, batch size and odd shape."""
+"""Quantized block weights: decoding equals gguf's own dequantization, the float numba kernels equal
+dequantize-then-matmul for every supported type, batch size and odd shape, and the int8-activation
+kernels equal the same computation written in numpy."""
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
 gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as GT, quants  # noqa: E402
 
-from turbospark_wsgi.engine import kernels_cpu, quant  # noqa: E402
+from turbospark_wsgi.engine import kernels_cpu, kernels_q8, quant  # noqa: E402
 
 TYPES = ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"]
 needs_numba = pytest.mark.skipif(not kernels_cpu.AVAILABLE, reason="numba is not installed")
+
+
+def kernel_cases(test):
+    """Every type, a few row counts, odd shapes and tiles."""
+    for mark in (pytest.mark.parametrize("n, k32, tile", [(64, 5, 64), (37, 8, 16), (200, 18, 64), (96, 48, 32)]),
+                 pytest.mark.parametrize("B", [1, 3, 8]), pytest.mark.parametrize("qtype", TYPES), needs_numba):
+        test = mark(test)
+    return test
 
 
 def random_raw(qtype, n, k, rng):
@@ -53,17 +66,80 @@ def test_dequantize_matches_gguf(qtype, n, k32):
     np.testing.assert_allclose(quant.dequantize(w), ref, rtol=1e-6, atol=1e-7)
 
 
-@needs_numba
-@pytest.mark.parametrize("qtype", TYPES)
-@pytest.mark.parametrize("B", [1, 3, 8])
-@pytest.mark.parametrize("n, k32, tile", [(64, 5, 64), (37, 8, 16), (200, 18, 64), (96, 48, 32)])
+@kernel_cases
 def test_kernel_equals_dequantize_then_matmul(qtype, B, n, k32, tile):
     w, ref = make(qtype, n, k32, seed=B, tile=tile)
     x = np.random.default_rng(B + 1).standard_normal((B, ref.shape[1])).astype(np.float32)
     expected = x @ ref.T
     for path in ("gemv", "blas"):
-        close(kernels_cpu.qmatmul(x, w, path=path), expected)
+        close(kernels_cpu.qmatmul(x, w, path=path, activations="float32"), expected)
     close(quant.matmul_ref(x, w), expected)
+
+
+@kernel_cases
+def test_int8_kernel_equals_int8_reference(qtype, B, n, k32, tile):
+    w, ref = make(qtype, n, k32, seed=B, tile=tile)
+    x = np.random.default_rng(B + 1).standard_normal((B, ref.shape[1])).astype(np.float32)
+    x[0, :7] *= 40                                           # an outlier block, as real activations have
+    want = kernels_q8.matmul_ref(x, w)
+    got = kernels_cpu.qmatmul(x, w, activations="int8")
+    np.testing.assert_allclose(got, want, rtol=2e-6, atol=2e-6 * float(np.abs(want).max()))
+    assert np.abs(got - x @ ref.T).max() < 0.05 * np.abs(x @ ref.T).max()   # and near the float result
+
+
+@needs_numba
+def test_int8_activation_quantization_matches_numpy():
+    x = np.random.default_rng(8).standard_normal((5, 96)).astype(np.float32) * 3
+    x[1, 32:64] = 0                                          # an all-zero block: scale 0, no NaN
+    x[2, 5] = 1e4
+    q, d, xs, qsum = kernels_q8.quantize(x)
+    q_ref, d_ref = kernels_q8.quantize_rows_ref(x)
+    np.testing.assert_allclose(d, d_ref, rtol=1e-6)
+    assert np.abs(q.astype(int) - q_ref).max() <= 1 and (q != q_ref).mean() < 0.01   # ties may round apart
+    assert np.array_equal(qsum, q.reshape(5, -1, 16).sum(axis=-1))
+    np.testing.assert_allclose(xs, x.reshape(5, -1, 32).sum(axis=-1), rtol=1e-5, atol=1e-3)
+    assert not d[1, 1] and not q[1, 32:64].any()
+
+
+@needs_numba
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0", "Q6_K"])
+def test_int8_rows_do_not_depend_on_the_rows_beside_them(qtype):
+    w, ref = make(qtype, 256, 18)
+    x = np.random.default_rng(9).standard_normal((300, ref.shape[1])).astype(np.float32)
+    whole = kernels_cpu.qmatmul(x, w, activations="int8")             # past GEMV_MAX_B too
+    for a, b in ((0, 1), (5, 8), (17, 33), (299, 300)):
+        assert np.array_equal(kernels_cpu.qmatmul(x[a:b], w, activations="int8"), whole[a:b])
+    assert np.array_equal(kernels_cpu.qmatmul(x[:2], w, threads=1, activations="int8"), whole[:2])
+
+
+_PORTABLE = """
+import numpy as np, sys
+from turbospark_wsgi.engine import kernels_cpu, kernels_q8
+sys.path.insert(0, sys.argv[1])
+from test_quant_kernels import make
+assert not kernels_q8.VNNI
+out = []
+for qtype in ("Q4_1", "Q8_0", "Q6_K"):
+    w, ref = make(qtype, 64, 8)
+    x = np.random.default_rng(1).standard_normal((3, ref.shape[1])).astype(np.float32)
+    out.append(kernels_cpu.qmatmul(x, w, activations="int8"))
+np.save(sys.argv[2], np.concatenate(out, axis=1))
+"""
+
+
+@needs_numba
+@pytest.mark.slow
+@pytest.mark.skipif(not kernels_q8.VNNI, reason="the CPU has no AVX-512 VNNI: the portable code is the only one")
+def test_int8_vnni_and_portable_code_give_the_same_bits(tmp_path):
+    out = []
+    for qtype in ("Q4_1", "Q8_0", "Q6_K"):
+        w, ref = make(qtype, 64, 8)
+        x = np.random.default_rng(1).standard_normal((3, ref.shape[1])).astype(np.float32)
+        out.append(kernels_cpu.qmatmul(x, w, activations="int8"))
+    env = dict(os.environ, TURBOSPARK_INT8_VNNI="0", NUMBA_CACHE_DIR=str(tmp_path / "cache"))
+    subprocess.run([sys.executable, "-c", _PORTABLE, os.path.dirname(__file__), str(tmp_path / "y.npy")],
+                   env=env, check=True, timeout=600)
+    assert np.array_equal(np.load(tmp_path / "y.npy"), np.concatenate(out, axis=1))
 
 
 @needs_numba
@@ -71,16 +147,16 @@ def test_kernel_equals_dequantize_then_matmul(qtype, B, n, k32, tile):
 def test_large_batch_uses_blas_path_and_agrees(qtype):
     w, ref = make(qtype, 70, 8)
     x = np.random.default_rng(3).standard_normal((kernels_cpu.GEMV_MAX_B + 9, ref.shape[1])).astype(np.float32)
-    close(kernels_cpu.qmatmul(x, w), x @ ref.T)
+    close(kernels_cpu.qmatmul(x, w, activations="float32"), x @ ref.T)
 
 
 @needs_numba
 def test_threads_argument_gives_same_result():
     w, ref = make("Q4_1", 256, 18)
     x = np.random.default_rng(4).standard_normal((2, ref.shape[1])).astype(np.float32)
-    one = kernels_cpu.qmatmul(x, w, threads=1)
+    one = kernels_cpu.qmatmul(x, w, threads=1, activations="float32")
     close(one, x @ ref.T)
-    close(kernels_cpu.qmatmul(x, w, threads=2), one)
+    close(kernels_cpu.qmatmul(x, w, threads=2, activations="float32"), one)
 
 
 def test_fused_parts_of_different_layouts_stack_rows():
@@ -96,7 +172,8 @@ def test_fused_parts_of_different_layouts_stack_rows():
     np.testing.assert_allclose(quant.dequantize(w), ref, rtol=1e-6, atol=1e-7)
     x = rng.standard_normal((3, 256)).astype(np.float32)
     if kernels_cpu.AVAILABLE:
-        close(kernels_cpu.qmatmul(x, w), x @ ref.T)
+        close(kernels_cpu.qmatmul(x, w, activations="float32"), x @ ref.T)
+        close(kernels_cpu.qmatmul(x, w, activations="int8"), kernels_q8.matmul_ref(x, w))
 
 
 @pytest.mark.parametrize("qtype", TYPES)
@@ -125,7 +202,8 @@ def test_qlinear_is_a_drop_in_for_a_transposed_float_matrix():
     x = np.random.default_rng(7).standard_normal((2, 3, 192)).astype(np.float32)
     y = x @ lin
     assert y.shape == (2, 3, 96)
-    close(y.reshape(6, 96), x.reshape(6, 192) @ ref.T)
+    close(y.reshape(6, 96), kernels_q8.matmul_ref(x.reshape(6, 192), w) if kernels_cpu.ACTIVATIONS == "int8"
+          and kernels_cpu.AVAILABLE else x.reshape(6, 192) @ ref.T)
 
 
 def test_supported_names_the_types_and_shapes_kept_in_block_form():

@@ -13,7 +13,7 @@ import threading
 
 import numpy as np
 
-from . import quant
+from . import kernels_q8, quant
 
 # NOTE(threads): how libgomp's idle threads wait between parallel regions (set before it loads).
 # Its default spins ~300k rounds: with another busy process on a 2-core machine that made a 160 us
@@ -44,6 +44,9 @@ SLAB_ROWS = 1024               # rows dequantized per BLAS call in the large-bat
 # still halving on two (hence BIG_SINGLE_ROW: products that large ignore the cap).
 SINGLE_ROW_THREADS = int(os.environ.get("TURBOSPARK_SINGLE_ROW_THREADS", "0"))
 BIG_SINGLE_ROW = 8 * 2 ** 20      # weights
+# "int8": activations quantized per block of 32 and integer dot products (kernels_q8), for every row
+# count; "float32": the float kernels below, equal to the dequantize-then-matmul reference.
+ACTIVATIONS = os.environ.get("TURBOSPARK_ACTIVATIONS", "int8")
 
 if AVAILABLE:
     _JIT = dict(parallel=True, fastmath=True, cache=True, nogil=True)
@@ -242,10 +245,11 @@ class QEmbedding:
         return quant.embed_rows(self.w, ids)
 
 
-def qmatmul(x, w, out=None, threads=None, path="auto"):
+def qmatmul(x, w, out=None, threads=None, path="auto", activations=None):
     """y = x @ W.T for x float32 [B, k] and a quant.QMatrix W [n, k] -> float32 [B, n].
     `threads` caps the numba threads for this call (default: NUMBA_NUM_THREADS / all cores);
-    `path` forces "gemv" (fused kernel) or "blas" (dequantize slabs + GEMM)."""
+    `path` forces "gemv" (fused kernel) or "blas" (dequantize slabs + GEMM); `activations`
+    ("int8" or "float32", default ACTIVATIONS) picks the kernels of every path but "blas"."""
     x = np.ascontiguousarray(x, dtype=np.float32)
     if x.ndim != 2 or x.shape[1] != w.k:
         raise ValueError(f"activation shape {x.shape} does not match weight {w.shape}")
@@ -254,27 +258,34 @@ def qmatmul(x, w, out=None, threads=None, path="auto"):
     if threads is None and x.shape[0] == 1 and SINGLE_ROW_THREADS and w.n * w.k < BIG_SINGLE_ROW:
         threads = SINGLE_ROW_THREADS
     _use_threads(threads)
+    # NOTE(exact-batching): int8 activations take the integer kernels for any row count, prompt
+    # chunks and decode steps alike, so a row's bits never depend on the call it came in.
+    acts = None
+    if path != "blas" and (activations or ACTIVATIONS) == "int8" and kernels_q8.AVAILABLE:
+        acts, use_gemv = kernels_q8.quantize(x), True
     start = 0
     for p in w.parts:
         part = y[:, start:start + p.n]
         if use_gemv:
-            _gemv(x, p, part)
+            _gemv(x, p, part, acts)
         else:
             _blas(x, p, part)
         start += p.n
     return y
 
 
-def _gemv(x, p, y):
+def _gemv(x, p, y, acts=None):
     direct = p.qs.shape[0] * p.tile == p.n and y.flags.c_contiguous
     buf = y if direct else np.empty((x.shape[0], p.qs.shape[0] * p.tile), np.float32)
+    if acts is not None and p.tile % kernels_q8.LANES == 0:
+        kernels_q8.gemv(acts, p, buf)
     # NOTE(exact-batching): a sequence must get the same numbers alone or in a batch, and a prompt
     # position the same in a prefill of any cut or a decode step, so each layout has kernels whose
     # rows do not depend on B. q4 always takes the tile kernel (each block unpacked once into a
     # float32 tile all rows reuse): the per-row one rounds differently, and SmolLM2's q4 products
     # measured 0.96x / 1.05x / 1.23x / 1.55x its speed at B = 1 / 8 / 16 / 128 (2 cores, loaded).
     # For q8, B <= 2 re-unpacks per row (fastest for decode); the two agree bit for bit.
-    if p.kind == "q4":
+    elif p.kind == "q4":
         xsum = x.reshape(x.shape[0], -1, 32).sum(axis=-1)          # [B, K/32] for the mins
         _q4_batch(x, xsum, p.qs, p.d, p.m, buf)
     else:
@@ -339,7 +350,8 @@ def warmup():
     for raw, gtype in ((raw4, 3), (raw8, 8)):
         w = quant.pack(quant.decode(raw, gtype, (16, 32)), tile=16)
         for rows in (x[:1], x):
-            qmatmul(rows, w, path="gemv")
+            for activations in ("int8", "float32"):
+                qmatmul(rows, w, path="gemv", activations=activations)
         qmatmul(x, w, path="blas")
     kv = rng.standard_normal((4, 1, 8)).astype(np.float32)
     attend(rng.standard_normal((2, 2, 8)).astype(np.float32), kv, kv, 1, window=2)

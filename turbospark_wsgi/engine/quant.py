@@ -56,6 +56,7 @@ class QWeight:
     qs: np.ndarray   # q4: uint8 [T, k/32, 16, tile]; q8: int8 [T, k/16, 16, tile]
     d: np.ndarray    # float32 [T, nd, tile]
     m: object        # float32 [T, k/32, tile] or None
+    qv: object = None   # the int8-activation kernels' layout, built on first use (kernels_q8.prepare)
 
     @property
     def tile(self):

@@ -1,0 +1,252 @@
+"""Integer kernels (numba) for y = x @ W.T with int8 activations, as llama.cpp's Q8 activations.
+
+Each activation row is quantized once per product, per block of 32: d_a = max|x| / 127,
+q_a = round(x / d_a) (int8). Per weight block the dot product of the integer weights with q_a is
+exact in int32; it is scaled by d_w * d_a (plus m_w * sum(x) for a q4 block's min) and summed in
+float32 per output row (one SIMD lane per row, as the float kernels in kernels_cpu). Where the CPU
+has AVX-512 VNNI the integer dots are `vpdpbusd` instructions (64 multiply-adds each); elsewhere the
+same integers come from plain vector code, so the results are the same bits on either.
+
+NOTE(exact-batching): a row's quantization and every step after it depend on that row alone and run
+the same code for any row count, so a sequence's numbers never depend on its neighbours or on how a
+prompt was cut. The results differ from the float32 reference by the activations' rounding (about
+1/254 of each block's largest value); `quantize_rows` + `matmul_ref` is that computation in numpy.
+
+Weight layout (`prepare`): for tile t, scale unit u (one q4 block of 32 weights, or one q8 scale
+group of 16 or 32) and lane chunk c of 16 output rows, the unit's bytes as `[quads, 16 rows, 4]`:
+four consecutive weights of one row fill one 32-bit lane, the operand shape of `vpdpbusd`. q4 bytes
+keep both nibbles (byte j: weight j low, weight j+16 high); q8 bytes are q + 128 (unsigned), the
+128 * sum(q_a) that adds taken off again per unit.
+"""
+import os
+
+import numpy as np
+
+from . import quant
+
+try:
+    import numba
+    from llvmlite import ir
+    from numba import njit, prange
+    from numba.core import types
+    from numba.extending import intrinsic
+except ImportError:            # pragma: no cover - exercised only where numba is absent
+    numba = None
+
+AVAILABLE = numba is not None
+QA = 32         # activation block (int8 values per scale)
+LANES = 16      # output rows per 512-bit accumulator
+
+
+def has_vnni():
+    """Whether numba compiles for a CPU with AVX-512 VNNI (and BW, for the byte masks).
+    TURBOSPARK_INT8_VNNI=0 takes the portable code (with a fresh NUMBA_CACHE_DIR: numba's cache
+    knows the CPU, not this switch)."""
+    if not AVAILABLE or os.environ.get("TURBOSPARK_INT8_VNNI", "1") == "0":
+        return False
+    from llvmlite import binding
+    if numba.config.CPU_NAME not in (None, "host"):
+        return False
+    feats = binding.get_host_cpu_features()
+    return bool(feats.get("avx512vnni") and feats.get("avx512bw"))
+
+
+VNNI = has_vnni()
+
+
+def quantize_rows_ref(x):
+    """numpy reference of `quantize_rows`: x float32 [B, K] -> (q int8 [B, K], d float32 [B, K/32])."""
+    x = np.asarray(x, dtype=np.float32)
+    B, K = x.shape
+    blocks = x.reshape(B, K // QA, QA)
+    amax = np.abs(blocks).max(axis=-1)
+    d = (amax / np.float32(127)).astype(np.float32)
+    inv = np.where(d > 0, np.float32(1) / np.where(d > 0, d, 1), np.float32(0)).astype(np.float32)
+    q = np.rint(blocks * inv[..., None]).astype(np.int8)
+    return q.reshape(B, K), d
+
+
+def matmul_ref(x, w):
+    """The int8-activation reference in numpy: x's rows quantized as the kernels do, times the
+    dequantized weight, in float64 -> float32 [B, n]. (The q4 min term uses float sum(x), as the
+    kernels do, so it is not rounded.)"""
+    x = np.asarray(x, dtype=np.float32)
+    q, d = quantize_rows_ref(x)
+    B, K = x.shape
+    out = []
+    for p in (w.parts if isinstance(w, quant.QMatrix) else [w]):
+        b = quant.untile(p)
+        n = b.q.shape[0]
+        xa = (q.reshape(B, K // QA, QA).astype(np.float64) * d[..., None]).reshape(B, K)
+        if p.kind == "q4":
+            v = np.concatenate([b.q & 15, b.q >> 4], axis=-1).astype(np.float64)      # [n, nb, 32]
+            y = xa @ (v * b.d[..., None]).reshape(n, K).T
+            y += x.reshape(B, K // QA, QA).sum(axis=-1, dtype=np.float64) @ b.m.T.astype(np.float64)
+        else:
+            group = b.q.shape[1] // b.d.shape[1]
+            v = b.q.astype(np.float64).reshape(n, b.d.shape[1], group * quant.SUB)
+            y = xa @ (v * b.d[..., None]).reshape(n, K).T
+        out.append(y)
+    return np.concatenate(out, axis=1).astype(np.float32)
+
+
+def prepare(p):
+    """The int8 kernels' layout of a QWeight (kept on it as `p.qv`): uint8
+    [T, units, R/16, quads, 16, 4] (see the module docstring)."""
+    if p.qv is None:
+        T, n_sub, S, R = p.qs.shape                                    # S = 16 bytes per block/sub-block
+        per = 1 if p.kind == "q4" else n_sub // p.d.shape[1]           # q8: sub-blocks per scale
+        q = p.qs.view(np.uint8) if p.kind == "q4" else (p.qs.view(np.uint8) ^ np.uint8(128))
+        # [T, units, per, S, R] -> [T, units, R/16, per*S/4 quads, 16, 4]
+        q = q.reshape(T, n_sub // per, per * S // 4, 4, R // LANES, LANES)
+        p.qv = np.ascontiguousarray(q.transpose(0, 1, 4, 2, 5, 3))
+    return p.qv
+
+
+if AVAILABLE:
+    _JIT = dict(parallel=True, fastmath=True, cache=True, nogil=True)
+    _i32x16 = ir.VectorType(ir.IntType(32), 16)
+
+    def _bcast(builder, value):
+        v = builder.insert_element(ir.Constant(_i32x16, ir.Undefined), value, ir.Constant(ir.IntType(32), 0))
+        return builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(ir.IntType(32), 16), [0] * 16))
+
+    def _dot_quads(builder, acc, w, a):
+        """acc (<16 x i32>) + per lane the dot of w's 4 unsigned bytes with a's 4 signed bytes."""
+        if VNNI:
+            fn = builder.module.declare_intrinsic("llvm.x86.avx512.vpdpbusd.512", fnty=ir.FunctionType(
+                _i32x16, [_i32x16, _i32x16, _i32x16]))
+            return builder.call(fn, [acc, w, a])
+        i8x64, i32x64 = ir.VectorType(ir.IntType(8), 64), ir.VectorType(ir.IntType(32), 64)
+        prod = builder.mul(builder.zext(builder.bitcast(w, i8x64), i32x64),
+                           builder.sext(builder.bitcast(a, i8x64), i32x64))
+        for e in range(4):
+            part = builder.shuffle_vector(prod, prod, ir.Constant(_i32x16, [4 * lane + e for lane in range(16)]))
+            acc = builder.add(acc, part)
+        return acc
+
+    def _ptr(context, builder, arrty, arr, off, elty):
+        data = context.make_array(arrty)(context, builder, arr).data
+        p = builder.gep(data, [off])
+        return builder.bitcast(p, elty.as_pointer())
+
+    @intrinsic
+    def _unit_dot(typingctx, w, wo, a, ao, acc, co, quads, nibbles):
+        """acc[co:co+16] (int32) += for 16 rows the dot of `quads` weight quads at w[wo:] with the
+        activations a[ao:] (int8); q4 (`nibbles`): low nibbles read a[ao:ao+16], high a[ao+16:]."""
+        if not (isinstance(quads, types.IntegerLiteral) and isinstance(nibbles, types.BooleanLiteral)):
+            return None
+        nq, nib = quads.literal_value, nibbles.literal_value
+        sig = types.void(w, wo, a, ao, acc, co, quads, nibbles)
+
+        def codegen(context, builder, signature, args):
+            wa, wo_, aa, ao_, ca, co_ = args[:6]
+            wp = _ptr(context, builder, signature.args[0], wa, wo_, ir.IntType(8))
+            ap = _ptr(context, builder, signature.args[2], aa, ao_, ir.IntType(8))
+            cp = _ptr(context, builder, signature.args[4], ca, co_, _i32x16)
+            total = builder.load(cp, align=4)
+            mask = ir.Constant(_i32x16, [0x0F0F0F0F] * 16)
+            for g in range(nq):
+                wv = builder.load(builder.bitcast(builder.gep(wp, [ir.Constant(ir.IntType(64), 64 * g)]),
+                                                  _i32x16.as_pointer()), align=1)
+
+                def act(at):
+                    q = builder.gep(ap, [ir.Constant(ir.IntType(64), at)])
+                    return _bcast(builder, builder.load(builder.bitcast(q, ir.IntType(32).as_pointer()), align=1))
+                if nib:
+                    total = _dot_quads(builder, total, builder.and_(wv, mask), act(4 * g))
+                    hi = builder.and_(builder.lshr(wv, ir.Constant(_i32x16, [4] * 16)), mask)
+                    total = _dot_quads(builder, total, hi, act(16 + 4 * g))
+                else:
+                    total = _dot_quads(builder, total, wv, act(4 * g))
+            builder.store(total, cp, align=4)
+            return context.get_dummy_value()
+        return sig, codegen
+
+    @njit(**_JIT)
+    def quantize_rows(x, q, d, xs, qsum):   # pragma: no cover - compiled
+        # x [B, K] f32 -> q [B, K] i8, d [B, K/32] scales, xs [B, K/32] float sums of x, qsum [B, K/16] sums of q
+        B, K = x.shape
+        for i in prange(B):
+            for b in range(K // 32):
+                xb = x[i, b * 32:b * 32 + 32]
+                amax = np.float32(0)
+                s = np.float32(0)
+                for j in range(32):
+                    amax = max(amax, abs(xb[j]))
+                    s += xb[j]
+                db = amax / np.float32(127)
+                inv = np.float32(1) / db if db > 0 else np.float32(0)
+                qb = q[i, b * 32:b * 32 + 32]
+                s0 = 0
+                s1 = 0
+                for j in range(16):
+                    v = np.int32(np.rint(xb[j] * inv))
+                    qb[j] = v
+                    s0 += v
+                for j in range(16, 32):
+                    v = np.int32(np.rint(xb[j] * inv))
+                    qb[j] = v
+                    s1 += v
+                d[i, b], xs[i, b] = db, s
+                qsum[i, 2 * b], qsum[i, 2 * b + 1] = s0, s1
+
+    # NOTE(exact-batching): no reassociation: the float steps run in the written order (one product
+    # per sum, fused or not alike everywhere), so the VNNI and portable builds agree bit for bit.
+    @njit(**dict(_JIT, fastmath={"nnan", "ninf", "nsz", "contract"}))
+    def _matmul_i8(qv, d, m, q, da, xs, qsum, y):   # pragma: no cover - compiled
+        # qv [T, nu, R/16, quads, 16, 4] u8 (see prepare); d, m [T, nu, R] f32 (m: q4 mins, or an
+        # empty array for q8); q [B, K] i8; da, xs [B, K/32]; qsum [B, K/16] i32; y [B, T*R]
+        T, nu, R = d.shape
+        B, K = q.shape
+        per = K // nu                       # weights per unit: 32 (q4, Q8_0) or 16 (Q6_K)
+        nib = m.shape[0] > 0
+        step = R * (16 if nib else per)     # bytes per unit of one tile
+        w, qf = qv.reshape(-1), q.reshape(-1)
+        for t in prange(T):
+            acc = np.zeros((B, R), np.float32)
+            isum = np.empty(R, np.int32)
+            for u in range(nu):
+                base, k0 = (t * nu + u) * step, u * per
+                du = d[t, u]
+                for i in range(B):
+                    a = i * K + k0
+                    if nib:
+                        isum[:] = 0
+                        for c in range(R // 16):
+                            _unit_dot(w, base + c * 256, qf, a, isum, c * 16, 4, True)
+                    else:                   # bytes hold q + 128: take 128 * sum(q_a) off again
+                        isum[:] = -128 * (qsum[i, k0 // 16] + (qsum[i, k0 // 16 + 1] if per == 32 else 0))
+                        for c in range(R // 16):
+                            if per == 32:
+                                _unit_dot(w, base + c * 512, qf, a, isum, c * 16, 8, False)
+                            else:
+                                _unit_dot(w, base + c * 256, qf, a, isum, c * 16, 4, False)
+                    ai, s = acc[i], da[i, k0 // 32]
+                    for r in range(R):
+                        ai[r] += (du[r] * s) * np.float32(isum[r])
+                    if nib:
+                        mu, x = m[t, u], xs[i, u]
+                        for r in range(R):
+                            ai[r] += mu[r] * x
+            for i in range(B):
+                y[i, t * R:t * R + R] = acc[i]
+
+
+def quantize(x):
+    """x float32 [B, K] (K a multiple of 32) -> (q int8, d, xs, qsum) as `quantize_rows` fills them."""
+    B, K = x.shape
+    q = np.empty((B, K), np.int8)
+    d, xs = np.empty((B, K // QA), np.float32), np.empty((B, K // QA), np.float32)
+    qsum = np.empty((B, K // 16), np.int32)
+    quantize_rows(x, q, d, xs, qsum)
+    return q, d, xs, qsum
+
+
+def gemv(acts, p, y):
+    """y [B, T*R] = the int8 product of quantized activations `acts` (from `quantize`) with QWeight p."""
+    q, d, xs, qsum = acts
+    _matmul_i8(prepare(p), p.d, _NO_MINS if p.m is None else p.m, q, d, xs, qsum, y)
+
+
+_NO_MINS = np.zeros((0, 0, 0), np.float32)
