@@ -240,12 +240,63 @@ class Choices:
                     yield Finished(event.reason, tally.usage, event.stop_string, index, index == self.n - 1)
 
 
+class Pacer:
+    """How a Generation waits: for its queue turn, then for each compute step, with a KeepAlive
+    whenever the consumer has heard nothing for `keepalive` seconds; in poll mode (the runs of a
+    PromptBatch) it yields Waiting instead of blocking."""
+
+    def __init__(self, ticket, keepalive, poll=False):
+        self._ticket, self._keepalive, self._poll = ticket, keepalive, poll
+        self.pending = None                     # the compute future awaited now
+        self._quiet_since = time.monotonic()    # last time the consumer got an event
+
+    def heard(self):
+        self._quiet_since = time.monotonic()
+
+    def wait_turn(self, cancel):
+        """Waits for the queue turn; returns False when the waiter left or was cancelled."""
+        while not self._ticket.wait(0 if self._poll else self._keepalive):
+            if self._ticket.left:
+                return False
+            if self._poll:
+                yield Waiting(ticket=self._ticket)
+                continue
+            self.heard()
+            yield KeepAlive("queued")
+        return not cancel.cancelled
+
+    def result(self, fut):
+        """The result of a compute future, waited for with keep-alives."""
+        self.pending = fut
+        while self._poll and not fut.done():
+            yield Waiting(future=fut)
+        while True:
+            try:
+                result = fut.result(timeout=self._keepalive)
+            except TimeoutError:
+                if fut.done():      # NOTE(race): finished just as the wait timed out
+                    result = fut.result()
+                    self.pending = None
+                    return result
+                self.heard()
+                yield KeepAlive("running")
+                continue
+            self.pending = None
+            return result
+
+    def keep_alive(self):
+        if time.monotonic() - self._quiet_since >= self._keepalive:
+            # NOTE(keepalive): many quick prefill chunks (or held-back tokens) are silent too.
+            self.heard()
+            yield KeepAlive("running")
+
+
 class Generation:
     """The lazy half of `Service.run`: an iterator of service events with an idempotent `close()`.
-    This class paces the run: it waits for its queue turn, awaits each engine step on the compute
-    thread with keep-alives in between, ends it at the time limit and cleans up once; `Choices`
-    decides the runs (n, best_of, echo) and a `RunTranslator` turns each run's engine events into
-    service events. Choices run one after another inside the one queue slot; the engine's prefix
+    This class drives the runs on the compute thread, ends them at the time limit and cleans up
+    once; a `Pacer` does the waiting (queue turn, compute steps, keep-alives), `Choices` decides the
+    runs (n, best_of, echo) and a `RunTranslator` turns each run's engine events into service
+    events. Choices run one after another inside the one queue slot; the engine's prefix
     cache makes the repeated prompt nearly free.
 
     Attributes for logs and metrics: model_id, usage, finish_reason, enqueued_at, started_at,
@@ -266,12 +317,11 @@ class Generation:
         self._choices = Choices(req.n, req.best_of, req.logprobs is not None)
         self._echo_text = req.prompt if req.echo else None
         self._echo, self._report, self._end_listed = req.echo, req.logprobs is not None, req.chat is None
-        self._cancel, self._ticket, self._keepalive, self._time_limit = cancel, ticket, keepalive, time_limit
-        self._poll = poll                         # yield Waiting instead of blocking (PromptBatch)
+        self._cancel, self._ticket, self._time_limit = cancel, ticket, time_limit
+        self._pace = Pacer(ticket, keepalive, poll)
         self._tally = Tally(len(ids))
-        self._steps = self._pending = None
+        self._steps = None
         self._on_token, self._on_close, self._cleaned = [], list(on_close), False
-        self._quiet_since = time.monotonic()      # last time the consumer got an event
         self._gen = self._events()
 
     def __iter__(self):
@@ -305,7 +355,7 @@ class Generation:
 
     def _events(self):
         try:
-            if not (yield from self._wait_turn()):
+            if not (yield from self._pace.wait_turn(self._cancel)):
                 return
             self.started_at = time.monotonic()
             echo = (yield from self._prompt_echo()) if self._echo else None
@@ -334,17 +384,17 @@ class Generation:
         if self._params.logprobs is None:
             return TextDelta(text)
         scored = []
-        self._steps = yield from self._await(compute.submit(
+        self._steps = yield from self._pace.result(compute.submit(
             self._engine.score, self._ids, self._params.logprobs, should_stop=self._cancel.is_set,
             client=self._client))
         while True:
-            event = yield from self._await(compute.submit(next, self._steps, None))
+            event = yield from self._pace.result(compute.submit(next, self._steps, None))
             if event is None or isinstance(event, Finish) and event.reason == FinishReason.CANCELLED:
                 return None
             if isinstance(event, Finish):
                 break
             scored += event.entries if isinstance(event, Scores) else []
-            yield from self._keep_alive()
+            yield from self._pace.keep_alive()
         self._close_steps()
         tokenizer = self._engine.tokenizer
         return TextDelta(text, [logprob_entry(tokenizer, t, lp, top) for t, (lp, top) in zip(self._ids, scored)])
@@ -367,10 +417,10 @@ class Generation:
         if params.max_new_tokens == 0:      # echo only: the prompt was scored, nothing is generated
             yield run.cut()
             return True
-        self._steps = yield from self._await(compute.submit(
+        self._steps = yield from self._pace.result(compute.submit(
             self._engine.generate, self._ids, params, should_stop=self._cancel.is_set, client=self._client))
         while True:
-            event = yield from self._await(compute.submit(next, self._steps, None))
+            event = yield from self._pace.result(compute.submit(next, self._steps, None))
             if event is None:
                 return False
             if isinstance(event, Finish):
@@ -387,7 +437,7 @@ class Generation:
                 yield run.cut()
                 self.finish_reason = run.finish_reason
                 return True
-            yield from self._keep_alive()
+            yield from self._pace.keep_alive()
 
     def _send(self, run, event):
         outs = run.translate(event)
@@ -398,14 +448,8 @@ class Generation:
                 self.first_token_at = self.first_token_at or time.monotonic()
         self.finish_reason = run.finish_reason or self.finish_reason
         for out in outs:
-            self._quiet_since = time.monotonic()
+            self._pace.heard()
             yield out
-
-    def _keep_alive(self):
-        if time.monotonic() - self._quiet_since >= self._keepalive:
-            # NOTE(keepalive): many quick prefill chunks (or held-back tokens) are silent too.
-            self._quiet_since = time.monotonic()
-            yield KeepAlive("running")
 
     def _out_of_time(self):
         return bool(self._time_limit) and time.monotonic() - self.started_at >= self._time_limit
@@ -414,43 +458,14 @@ class Generation:
         steps, self._steps = self._steps, None
         compute.run(steps.close)
 
-    def _wait_turn(self):
-        while not self._ticket.wait(0 if self._poll else self._keepalive):
-            if self._ticket.left:
-                return False
-            if self._poll:
-                yield Waiting(ticket=self._ticket)
-                continue
-            self._quiet_since = time.monotonic()
-            yield KeepAlive("queued")
-        return not self._cancel.cancelled
-
-    def _await(self, fut):
-        self._pending = fut
-        while self._poll and not fut.done():
-            yield Waiting(future=fut)
-        while True:
-            try:
-                result = fut.result(timeout=self._keepalive)
-            except TimeoutError:
-                if fut.done():      # NOTE(race): finished just as the wait timed out
-                    result = fut.result()
-                    self._pending = None
-                    return result
-                self._quiet_since = time.monotonic()
-                yield KeepAlive("running")
-                continue
-            self._pending = None
-            return result
-
     def _cleanup(self):
         if self._cleaned:
             return
         self._cleaned = True
         self._cancel.cancel("closed")       # a step still running stops at its next check
         try:
-            if self._pending is not None:
-                self._pending.exception()   # wait for the step in flight; its result no longer matters
+            if self._pace.pending is not None:
+                self._pace.pending.exception()  # wait for the step in flight; its result no longer matters
             if self._steps is not None:
                 compute.run(self._steps.close)
         except Exception:
