@@ -65,6 +65,14 @@ class Runs:
                 self.finish[i] = event
                 gen.close()
 
+    def until_token(self, i):
+        """Reads run i alone until its first Token: the steps its polls run are the ones it waited."""
+        event = next(self.gens[i])
+        while not isinstance(event, Token):
+            event = next(self.gens[i])
+        self.tokens[i].append(event.id)
+        self.first_token_step[i] = self.engine.scheduler.steps
+
     def drain(self):
         while any(f is None for f in self.finish):
             self.round()
@@ -88,15 +96,13 @@ def test_a_newcomer_runs_within_two_steps_and_paused_runs_equal_their_solo_runs(
     arrived = engine.scheduler.steps
     for i in range(4, 6):                                   # client b: two runs
         runs.add(prompts[i], params_for(i), "b")
-    runs.round()
-    runs.round()
-    assert all(runs.first_token_step[i] - arrived <= 2 for i in (4, 5))
-    assert runs.paused[2] > 0 and runs.paused[3] > 0         # a's last two wait for b's two rows
-    assert runs.paused[0] == runs.paused[1] == 0             # a's first two keep theirs (FIFO within a)
+        runs.until_token(i)
+    assert all(runs.first_token_step[i] - arrived <= 2 for i in (4, 5)), (arrived, runs.first_token_step)
     runs.drain()
     assert all(f.reason == FinishReason.LENGTH and f.completion_tokens == 24 for f in runs.finish)
     assert runs.tokens == [solo(path, prompts[i], params_for(i)) for i in range(6)]
-    assert min(runs.paused[2:4]) >= 3                        # a's last two really waited, then went on
+    assert min(runs.paused[2:4]) >= 3                        # a's last two waited for b's two rows, then went on
+    assert runs.paused[0] == runs.paused[1] == 0             # a's first two kept theirs (FIFO within a)
     assert not any(s.busy for s in engine.scheduler.slots) and len(engine.scheduler.slots) == 6
 
 
@@ -182,3 +188,21 @@ def test_a_sixteen_stream_burst_from_one_key_delays_another_keys_first_token_by_
     for t in threads:
         t.join(60)
     assert len(texts) == 16 and len(set(texts.values())) == 1 and texts[0] == first.text + rest
+
+
+def test_a_newcomers_short_prompt_goes_before_the_chunks_of_a_running_clients_long_prompt(path):
+    engine = engine_for(path)
+    prompts = [engine.encode(t, add_bos=True) for t in TEXTS]
+    long_prompt = [t for p in prompts for t in p[1:]][:60]        # several chunks of 8
+    runs = Runs(engine)
+    for i in range(2):
+        runs.add(prompts[i], params_for(i), "a")
+    for _ in range(3):
+        runs.round()
+    runs.add(long_prompt, params_for(2), "a")
+    arrived = engine.scheduler.steps
+    runs.add(prompts[3], params_for(3), "b")
+    runs.until_token(3)
+    assert runs.first_token_step[3] - arrived <= 2 and runs.first_token_step[2] is None
+    runs.drain()
+    assert runs.tokens == [solo(path, p, params_for(i)) for i, p in enumerate([*prompts[:2], long_prompt, prompts[3]])]

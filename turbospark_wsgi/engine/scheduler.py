@@ -3,7 +3,8 @@ sequence runs in a prefix-cache slot (prefix_cache.Slot), and only the scheduler
 
 Every call runs on one thread (the compute thread). `Scheduler.poll(seq)` returns the events that
 sequence has waiting; when it has none, it runs one step for the sequences in the batch: one
-prefill chunk for the oldest one still prefilling, and one batched decode step for all the others.
+prefill chunk for the oldest one still prefilling (of the client decoding the fewest rows), and one
+batched decode step for all the others.
 So requests that arrive while others decode join the running batch at the next step. The batch is
 up to `max_batch` sequences, shared fairly between clients; the others wait paused (`_batch`).
 """
@@ -178,7 +179,8 @@ class Scheduler:
         prefilling = [s for s in batch if s.state == _PREFILL]
         try:
             if prefilling:
-                _isolated(prefilling[0], prefilling[0].prefill_chunk, self.model)
+                first = self._next_prefill(prefilling, decoding)
+                _isolated(first, first.prefill_chunk, self.model)
             if decoding:
                 self._decode(decoding)
         except Exception as e:
@@ -210,6 +212,16 @@ class Scheduler:
                     chosen.add(id(lane[depth]))
             depth += 1
         return [s for s in live if id(s) in chosen]
+
+    @staticmethod
+    def _next_prefill(prefilling, decoding):
+        """The sequence whose prompt chunk runs this step: the oldest of the client decoding the
+        fewest rows. NOTE(fair-share): so a newcomer's short prompt does not wait behind every
+        chunk of a long prompt of a client that already runs; one client alone goes in order."""
+        rows = {}
+        for seq in decoding:
+            rows[seq.client] = rows.get(seq.client, 0) + 1
+        return min(prefilling, key=lambda s: rows.get(s.client, 0))
 
     def release(self, seq):
         """Ends `seq` (if still running) and frees its slot; idempotent."""
