@@ -266,3 +266,14 @@ def test_without_spare_places_a_new_client_waits_for_a_slot():
     q = LockQueue(max_waiting=8, slots=2)
     [q.enqueue(client="a") for _ in range(2)]
     assert not q.enqueue(client="b").wait(0)
+
+
+def test_check_room_sees_the_spare_place_of_a_client_below_its_share():
+    q = LockQueue(max_waiting=1, slots=1, spare=1)
+    q.enqueue(client="a"), q.enqueue(client="a")            # one running, one waiting: full for a
+    with pytest.raises(Overloaded):
+        q.check_room("a")
+    q.check_room("b")
+    assert q.enqueue(client="b").wait(0)
+    with pytest.raises(Overloaded):
+        q.check_room("c")                                   # both places held

@@ -328,3 +328,23 @@ def test_embedding_chunks_bound_inputs_and_tokens():
     assert keep_last([0, 1, 2, 3, 4, 9], 4, head=1, tail=1) == [0, 3, 4, 9]
     assert keep_last([0, 1, 2, 3, 4, 9], 2, head=1, tail=1) == [4, 9]       # no room for text: the plain tail
     assert keep_last([0, 1, 2], 5, head=1) == [0, 1, 2]
+
+
+def test_a_full_waiting_room_still_admits_a_client_below_its_share_in_a_spare_place(make_harness):
+    h = make_harness(max_batch=1, max_paused=1, max_waiting=1)
+    h.engine("fake", reply="abc" * 20, step_delay=0.01)
+
+    def start(client):
+        return h.service.run(request(prompt="hi", max_tokens=60, stream=True, client=client), CancelToken())
+
+    gens = [start("a"), start("a")]                         # a runs one and waits with one: full for a
+    with pytest.raises(Overloaded):
+        h.service.check_room("a")
+    h.service.check_room("b")
+    gens.append(start("b"))
+    text, finished = collect(gens[-1])
+    assert finished.reason == "length" and len(text) == 60 and h.service.queue.running == 1
+    with pytest.raises(Overloaded):
+        start("a")
+    for gen in gens:
+        gen.close()

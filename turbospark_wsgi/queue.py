@@ -108,9 +108,9 @@ class LockQueue:
             self.shutting_down = True
             self._cond.notify_all()
 
-    def check_room(self):
-        """Raises what `enqueue` would raise now (Overloaded: shutting down, or no place left) without
-        taking a place: the cheap first step of admission, before a request costs any work.
+    def check_room(self, client=""):
+        """Raises what `enqueue(client=client)` would raise now (Overloaded: shutting down, or no place
+        left) without taking a place: the cheap first step of admission, before a request costs any work.
 
         NOTE(race): read without the lock, so a place freed a moment later is missed, as it would be
         by a request sent a moment earlier; `enqueue` stays the definitive check.
@@ -118,7 +118,9 @@ class LockQueue:
         if self.shutting_down:
             raise _shutting_down(self.retry_after)
         if self._full():
-            raise self._busy()
+            with self._condition():         # a spare place for `client`? (read under the lock)
+                if self._full() and not self._may_hold(client):
+                    raise self._busy()
 
     def enqueue(self, cancel=None, client=""):
         """A new ticket for `client`; Overloaded when `max_waiting` are already waiting.

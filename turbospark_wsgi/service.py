@@ -88,11 +88,11 @@ class Service:
         self._loading_pid = None
         self._load_error = None
 
-    def check_room(self):
-        """Overloaded (503 + Retry-After) at once when the queue has no place left: the first step
-        of admission, which the generation routes take before reading the body and `run` takes
-        again before resolving the model. `enqueue` stays the definitive check."""
-        self.queue.check_room()
+    def check_room(self, client=""):
+        """Overloaded (503 + Retry-After) at once when the queue has no place left for `client`: the
+        first step of admission, which the generation routes take before reading the body and `run`
+        takes again before resolving the model. `enqueue` stays the definitive check."""
+        self.queue.check_room(client)
 
     def run(self, req, cancel):
         """Admits `req` now (room, model, tokens, context, queue: ApiError on refusal) and returns a
@@ -100,7 +100,7 @@ class Service:
         self._check_max_tokens(req)             # NOTE(order): no model needed, so before resolving one
         # NOTE(overload): a full server refuses before the model is resolved and the prompt rendered
         # and tokenized: that work, sharing the GIL with a busy compute thread, made 503s slow.
-        self.queue.check_room()
+        self.queue.check_room(req.client)
         lease = self.registry.acquire(req.model)
         # NOTE(lease): a model in use is never unloaded: the generation releases it when it closes
         on_close = (lease.release, lambda: metrics.observe_queue(self.queue))
