@@ -104,6 +104,7 @@ class CpuMeter:
 class Server:
     name = ""
     ready_path = "/health"
+    cwd = REPO          # NOTE(cwd): `python -m` puts it first on sys.path: the code a server imports
 
     def __init__(self, args):
         self.args = args
@@ -122,7 +123,7 @@ class Server:
     def __enter__(self):
         started = self.launched = time.monotonic()
         with self.log.open("wb") as log:
-            self.proc = subprocess.Popen(self.command(), cwd=REPO, env=self.env(), stdout=log,
+            self.proc = subprocess.Popen(self.command(), cwd=self.cwd, env=self.env(), stdout=log,
                                          stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          start_new_session=True)
         try:
