@@ -305,7 +305,8 @@ class Generation:
 
     def __init__(self, engine, ids, params, req, cancel, ticket, keepalive, grammar=None, poll=False, plan=None,
                  time_limit=0.0, on_close=()):
-        self.model_id, self.request_id, self._client = engine.name, req.request_id, req.client
+        self.model_id, self.request_id = engine.name, req.request_id
+        self._req = req                           # what it asks: echo, logprobs, its chat part, its client
         self.plan = plan                          # a chat request's OutputPlan (its `parser()` reads the text)
         self.prompt_tokens = len(ids)
         self.finish_reason = None
@@ -313,10 +314,7 @@ class Generation:
         self.first_token_at = self.finished_at = None
         self.time_limited = False                 # ended by the wall-clock limit (finish reason length)
         self._engine, self._ids, self._params, self._grammar = engine, ids, params, grammar
-        self._thinking_budget = req.chat.thinking_budget if req.chat is not None else None
         self._choices = Choices(req.n, req.best_of, req.logprobs is not None)
-        self._echo_text = req.prompt if req.echo else None
-        self._echo, self._report, self._end_listed = req.echo, req.logprobs is not None, req.chat is None
         self._cancel, self._ticket, self._time_limit = cancel, ticket, time_limit
         self._pace = Pacer(ticket, keepalive, poll)
         self._tally = Tally(len(ids))
@@ -358,8 +356,8 @@ class Generation:
             if not (yield from self._pace.wait_turn(self._cancel)):
                 return
             self.started_at = time.monotonic()
-            echo = (yield from self._prompt_echo()) if self._echo else None
-            if self._echo and echo is None:
+            echo = (yield from self._prompt_echo()) if self._req.echo else None
+            if self._req.echo and echo is None:
                 return          # cancelled while scoring the prompt
             yield from self._choices.events(self._run, echo, self._tally)
         except ApiError:
@@ -380,13 +378,13 @@ class Generation:
         """The echoed prompt: its text and, with logprobs, its tokens' logprobs (the first is None);
         None when cancelled. NOTE(score): scoring runs chunk by chunk among the other runs' steps,
         like a prefill, so it neither stalls them nor outlives its client by more than a chunk."""
-        text = self._echo_text if self._echo_text is not None else self._engine.decode(self._ids)
+        text = self._req.prompt if self._req.prompt is not None else self._engine.decode(self._ids)
         if self._params.logprobs is None:
             return TextDelta(text)
         scored = []
         self._steps = yield from self._pace.result(compute.submit(
             self._engine.score, self._ids, self._params.logprobs, should_stop=self._cancel.is_set,
-            client=self._client))
+            client=self._req.client))
         while True:
             event = yield from self._pace.result(compute.submit(next, self._steps, None))
             if event is None or isinstance(event, Finish) and event.reason == FinishReason.CANCELLED:
@@ -402,8 +400,9 @@ class Generation:
     def _constraint(self):
         if self._grammar is not None:       # NOTE(thinking): a grammar governs the whole reply
             return self._grammar.start()
-        if self._thinking_budget:
-            return self._engine.thinking_budget(self._thinking_budget, self._ids)
+        budget = self._req.chat.thinking_budget if self._req.chat is not None else None
+        if budget:
+            return self._engine.thinking_budget(budget, self._ids)
         return None
 
     def _run(self, i, last):
@@ -413,12 +412,12 @@ class Generation:
             params, seed=None if params.seed is None else (params.seed + i) % 2 ** 64,
             constraint=self._constraint())
         run = RunTranslator(self._engine.tokenizer, self._tally, i, last, params.logprobs is not None,
-                            self._report, self._end_listed)
+                            self._req.logprobs is not None, self._req.chat is None)
         if params.max_new_tokens == 0:      # echo only: the prompt was scored, nothing is generated
             yield run.cut()
             return True
         self._steps = yield from self._pace.result(compute.submit(
-            self._engine.generate, self._ids, params, should_stop=self._cancel.is_set, client=self._client))
+            self._engine.generate, self._ids, params, should_stop=self._cancel.is_set, client=self._req.client))
         while True:
             event = yield from self._pace.result(compute.submit(next, self._steps, None))
             if event is None:
