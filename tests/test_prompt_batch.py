@@ -70,6 +70,13 @@ def test_a_list_the_queue_cannot_hold_takes_no_place(make_harness):
         holder.release()
 
 
+def test_a_list_longer_than_the_queue_is_refused_before_any_model_loads(make_harness):
+    h = make_harness(max_batch=1, max_waiting=2)
+    r = h.client().post_json("/v1/completions", {"prompt": ["a", "b", "c", "d"], "max_tokens": 1}, status=400)
+    assert r.json["error"]["param"] == "prompt" and "at most 3 at once" in r.json["error"]["message"]
+    assert h.loads == [] and h.service.queue.depth == 0
+
+
 def test_closing_a_list_stops_every_run_and_frees_every_place(make_harness, wait_until):
     h = make_harness(max_batch=2, max_waiting=4)
     gate = threading.Event()

@@ -97,7 +97,7 @@ class Service:
     def run(self, req, cancel):
         """Admits `req` now (room, model, tokens, context, queue: ApiError on refusal) and returns a
         lazy `Generation` iterator that waits its turn and then generates."""
-        self._check_max_tokens(req)             # NOTE(order): no model needed, so before resolving one
+        self._check_without_model(req)          # NOTE(order): no model needed, so before resolving one
         # NOTE(overload): a full server refuses before the model is resolved and the prompt rendered
         # and tokenized: that work, sharing the GIL with a busy compute thread, made 503s slow.
         self.queue.check_room(req.client)
@@ -133,10 +133,6 @@ class Service:
     def _admit_batch(self, engine, req, cancel, on_close):
         """A prompt list: every prompt is checked first, then each takes its own queue place and
         runs as its own sequence of the running batch (a PromptBatch drives them side by side)."""
-        room = self.queue.slots + self.queue.max_waiting
-        if len(req.prompts) > room:
-            raise InvalidRequest(f"'prompt' holds {len(req.prompts)} prompts; this server runs or queues at most "
-                                 f"{room} at once (TURBOSPARK_MAX_BATCH + TURBOSPARK_MAX_WAITING)", param="prompt")
         reqs = [_one_prompt(req, i, p) for i, p in enumerate(req.prompts)]
         prepared = [self._prepare(engine, r) for r in reqs]
         gens = []
@@ -318,11 +314,16 @@ class Service:
         _check_ids(engine, ids, "tokens")
         return engine.decode(list(ids), skip_special=False)
 
-    def _check_max_tokens(self, req):
+    def _check_without_model(self, req):
+        """The server's limits a request can be held to before any model is resolved."""
         cap = self.config.max_tokens_cap
         if cap and req.max_tokens is not None and req.max_tokens > cap:
             raise InvalidRequest(f"max_tokens is {req.max_tokens}; this server allows at most {cap} "
                                  f"(TURBOSPARK_MAX_TOKENS_CAP)", param="max_tokens", code="max_tokens_too_large")
+        room = self.queue.slots + self.queue.max_waiting
+        if req.prompts is not None and len(req.prompts) > room:
+            raise InvalidRequest(f"'prompt' holds {len(req.prompts)} prompts; this server runs or queues at most "
+                                 f"{room} at once (TURBOSPARK_MAX_BATCH + TURBOSPARK_MAX_WAITING)", param="prompt")
 
     def _check_logit_bias(self, engine, params):
         vocab = engine.config.vocab_size
