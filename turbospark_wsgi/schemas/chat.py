@@ -21,11 +21,11 @@ def parse_chat(doc):
     grammar = response_format_grammar(doc.get("response_format"))
     params, model, max_tokens = common.sampling_params(doc), common.model_name(doc), _max_tokens(doc)
     chat = ChatPart(messages, tools=tools if choice != "none" else None, tool_choice=choice,
-                    parallel_tool_calls=checks.boolean(doc, "parallel_tool_calls", True), grammar=grammar)
-    include_usage = common.include_usage(doc, stream)
-    chat.reasoning, chat.template_kwargs = _reasoning(doc), _template_kwargs(doc)
+                    parallel_tool_calls=checks.boolean(doc, "parallel_tool_calls", True), reasoning=_reasoning(doc),
+                    template_kwargs=_template_kwargs(doc), grammar=grammar)
     return GenerationRequest(model=model, chat=chat, max_tokens=max_tokens, params=params, stream=stream,
-                             include_usage=include_usage, n=n, logprobs=logprobs, prompt_param="messages")
+                             include_usage=common.include_usage(doc, stream), n=n, logprobs=logprobs,
+                             prompt_param="messages")
 
 
 def _max_tokens(doc):
