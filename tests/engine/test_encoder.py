@@ -94,3 +94,20 @@ def test_unsupported_pooling_is_refused(tmp_path):
     (tmp_path / "modules.json").write_text(json.dumps([{"type": "x.Pooling", "path": "p"}]))
     with pytest.raises(E.EncoderError, match="unsupported pooling"):
         E._pooling(str(tmp_path))
+
+
+def test_products_run_on_the_encoders_threads_whatever_a_decoder_capped_blas_at(monkeypatch):
+    if not (MODEL_DIR / "modules.json").is_file():
+        pytest.skip(f"{MODEL_DIR} absent (turbospark pull all-minilm-l6-v2)")
+    from threadpoolctl import threadpool_info, threadpool_limits
+
+    def blas():
+        return [i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"]
+
+    enc, seen, linear = E.load_encoder(str(MODEL_DIR)), [], E._linear
+    monkeypatch.setattr(E, "_linear", lambda *a: (seen.append(blas()), linear(*a))[1])
+    monkeypatch.setattr(E, "ENCODER_THREADS", 2)
+    with threadpool_limits(1, user_api="blas"):              # as a quantized decoder leaves it
+        enc.embed(enc.encode_batch(["a", "b c"]))
+        assert blas() == [1] * len(blas())                   # and as it stays for the decoder
+    assert len(seen) == 4 * enc.n_layers and all(n == [2] * len(n) for n in seen)
