@@ -103,7 +103,7 @@ def test_a_newcomer_runs_within_two_steps_and_paused_runs_equal_their_solo_runs(
     assert runs.tokens == [solo(path, prompts[i], params_for(i)) for i in range(6)]
     assert min(runs.paused[2:4]) >= 3                        # a's last two waited for b's two rows, then went on
     assert runs.paused[0] == runs.paused[1] == 0             # a's first two kept theirs (FIFO within a)
-    assert not any(s.busy for s in engine.scheduler.slots) and len(engine.scheduler.slots) == 6
+    assert not any(s.busy for s in engine.scheduler.slots) and len(engine.scheduler.slots) == 4   # spares dropped
 
 
 def test_rows_are_dealt_round_robin_between_clients_in_arrival_order(path):
@@ -206,3 +206,10 @@ def test_a_newcomers_short_prompt_goes_before_the_chunks_of_a_running_clients_lo
     assert runs.first_token_step[3] - arrived <= 2 and runs.first_token_step[2] is None
     runs.drain()
     assert runs.tokens == [solo(path, p, params_for(i)) for i, p in enumerate([*prompts[:2], long_prompt, prompts[3]])]
+
+
+def test_one_client_never_holds_more_caches_than_the_batch(path):
+    engine = engine_for(path, max_batch=2, max_paused=2)
+    for text in TEXTS:                                      # unrelated prompts, one after another
+        list(engine.generate(engine.encode(text, add_bos=True), params_for(0, 4), client="a"))
+    assert len(engine.scheduler.slots) <= 2

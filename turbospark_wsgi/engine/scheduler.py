@@ -139,12 +139,13 @@ class Scheduler:
 
     def acquire(self, prompt):
         """A free slot: the one holding the longest reusable prefix of `prompt`; without any, a new
-        slot while fewer than max_batch + max_paused exist, else the least recently used (so a warm
-        prefix survives unrelated requests as long as it can)."""
+        slot while fewer than max_batch exist, else the least recently used (so a warm prefix
+        survives unrelated requests as long as it can); with none free, a new one up to
+        max_batch + max_paused (see `release`)."""
         free = [s for s in self.slots if not s.busy]
         best = max(free, key=lambda s: (s.reusable(prompt), -s.used), default=None)
         if best is None or best.reusable(prompt) == 0:
-            if len(self.slots) < self.max_slots:
+            if len(self.slots) < (self.max_batch if free else self.max_slots):
                 every_row = self.model.decode_exact
                 granule = 1 if every_row or (self.chunk > SMALL_WINDOW and self.model.rows_exact) else self.chunk
                 best = Slot(self.model.new_cache(self.max_context), granule, every_row)
@@ -224,12 +225,17 @@ class Scheduler:
         return min(prefilling, key=lambda s: rows.get(s.client, 0))
 
     def release(self, seq):
-        """Ends `seq` (if still running) and frees its slot; idempotent."""
+        """Ends `seq` (if still running) and frees its slot; idempotent. NOTE(memory): slots beyond
+        max_batch (taken while clients shared the batch) are dropped once free, least recently used
+        first, so a server that is not shared keeps max_batch caches, as without pausing."""
         if not seq.finished:
             seq.cancel()
         if seq in self.active:
             self.active.remove(seq)
         seq.slot.busy = False
+        free = sorted((s for s in self.slots if not s.busy), key=lambda s: s.used)
+        for slot in free[:max(0, len(self.slots) - self.max_batch)]:
+            self.slots.remove(slot)
 
     def _decode(self, seqs):
         tokens = [s.pending for s in seqs]
