@@ -183,7 +183,8 @@ def test_a_sixteen_stream_burst_from_one_key_delays_another_keys_first_token_by_
     seen = steps()
     # the step that made b's first token: b runs every step from then on (read on the compute thread)
     made = compute.run(lambda: steps() - next(s for s in engine.scheduler.active if s.client == "key:b").completion)
-    assert made + 1 - arrived <= 2 and seen - arrived <= 8, (arrived, made + 1, seen)
+    # made at the next step; read within a few more (each read of the stream may wait for a step in progress)
+    assert made + 1 - arrived <= 2 and seen - arrived <= 12, (arrived, made + 1, seen)
     rest = "".join(e.text for e in late if isinstance(e, TextDelta))
     for t in threads:
         t.join(60)
