@@ -103,3 +103,21 @@ def test_anthropic_error_envelope(claude):
     with pytest.raises(anthropic.BadRequestError) as info:
         claude.messages.create(model=MODEL, max_tokens=0, messages=MESSAGES)
     assert info.value.body["type"] == "error"
+
+
+def test_the_chat_model_embeds_for_the_openai_sdk_and_langchain(oai, server, default_model):
+    import numpy as np
+    langchain_openai = pytest.importorskip("langchain_openai")
+    from turbospark_wsgi.engine import load_engine
+    texts = ["The cat sits on the mat.", "Paris is the capital of France.", "東京は日本の首都です。"]
+    engine = load_engine(str(default_model), device="cpu")
+    want = engine.embed(engine.encode_batch(texts))
+    for fmt in ("float", None):             # None: the SDK asks for base64 and decodes it itself
+        out = oai.embeddings.create(model=MODEL, input=texts, **({"encoding_format": fmt} if fmt else {}))
+        got = np.array([d.embedding for d in out.data], dtype=np.float32)
+        assert got.shape == (3, 576) and out.usage.prompt_tokens == sum(map(len, engine.encode_batch(texts)))
+        np.testing.assert_allclose(got, want, atol=1e-5)
+    lc = langchain_openai.OpenAIEmbeddings(model=MODEL, base_url=server.url + "/v1", api_key="x",
+                                           check_embedding_ctx_length=False)
+    np.testing.assert_allclose(np.array(lc.embed_documents(texts), dtype=np.float32), want, atol=1e-5)
+    np.testing.assert_allclose(np.array(lc.embed_query(texts[1]), dtype=np.float32), want[1], atol=1e-5)
