@@ -260,25 +260,23 @@ def qmatmul(x, w, out=None, threads=None, path="auto", activations=None):
     _use_threads(threads)
     # NOTE(exact-batching): int8 activations take the integer kernels for any row count, prompt
     # chunks and decode steps alike, so a row's bits never depend on the call it came in.
-    acts = None
-    if path != "blas" and (activations or ACTIVATIONS) == "int8" and kernels_q8.AVAILABLE:
-        acts, use_gemv = kernels_q8.quantize(x), True
+    int8 = path != "blas" and (activations or ACTIVATIONS) == "int8" and kernels_q8.AVAILABLE
     start = 0
     for p in w.parts:
         part = y[:, start:start + p.n]
-        if use_gemv:
-            _gemv(x, p, part, acts)
+        if use_gemv or int8:
+            _gemv(x, p, part, int8)
         else:
             _blas(x, p, part)
         start += p.n
     return y
 
 
-def _gemv(x, p, y, acts=None):
+def _gemv(x, p, y, int8=False):
     direct = p.qs.shape[0] * p.tile == p.n and y.flags.c_contiguous
     buf = y if direct else np.empty((x.shape[0], p.qs.shape[0] * p.tile), np.float32)
-    if acts is not None and p.tile % kernels_q8.LANES == 0:
-        kernels_q8.gemv(acts, p, buf)
+    if int8 and p.tile % kernels_q8.LANES == 0:
+        kernels_q8.matmul(x, p, buf)
     # NOTE(exact-batching): a sequence must get the same numbers alone or in a batch, and a prompt
     # position the same in a prefill of any cut or a decode step, so each layout has kernels whose
     # rows do not depend on B. q4 always takes the tile kernel (each block unpacked once into a
