@@ -96,6 +96,7 @@ def test_models_lists_gguf_files_and_hf_directories(capsys, tmp_path):
     assert [(row[0], row[2]) for row in lines] == [("a", str(tmp_path / "a.gguf")),
                                                    ("hf", str(tmp_path / "hf"))]
     assert lines[0][1] == "0.0 MiB"
+    assert [row[4] for row in lines] == ["", ""]          # weight storage: neither has a tensor table
 
 
 def test_module_entry_point_runs():

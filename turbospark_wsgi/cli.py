@@ -124,6 +124,7 @@ def cmd_pull(args):
 
 
 def cmd_models(args):
+    from .engine.loader import weight_storage
     from .registry import is_embedding_model, model_capabilities
 
     rows = installed_models(models_dir(args))
@@ -131,7 +132,8 @@ def cmd_models(args):
         print(f"no models in {models_dir(args)}; try `turbospark pull`", file=sys.stderr)
     for model_id, size, path in rows:
         kind = "embedding" if is_embedding_model(str(path)) else "generation"
-        print(f"{model_id}\t{size / 2**20:.1f} MiB\t{path}\t{','.join(model_capabilities(kind))}")
+        print(f"{model_id}\t{size / 2**20:.1f} MiB\t{path}\t{','.join(model_capabilities(kind))}\t"
+              f"{weight_storage(str(path))}")
 
 
 def _registry(directory, model=pulling.DEFAULT_MODEL):

@@ -140,3 +140,28 @@ def test_missing_path_and_bad_magic(tmp_path):
     (tmp_path / "x.gguf").write_bytes(b"NOPE" + bytes(64))
     with pytest.raises(GGUFFormatError, match="bad magic"):
         load_model(tmp_path / "x.gguf")
+
+
+def test_weight_storage_says_which_types_stay_quantized(tmp_path, monkeypatch):
+    """`turbospark models`' weights column: block kernels for Q5_0/Q8_0/..., float32 for the rest."""
+    gguf = pytest.importorskip("gguf")
+    from gguf import GGMLQuantizationType as GT, quants
+    from turbospark_wsgi.engine import kernels_cpu
+    from turbospark_wsgi.engine.loader import weight_storage
+    rng = np.random.default_rng(0)
+    w = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "llama")
+    for name, qtype in (("a", GT.Q5_0), ("b", GT.Q5_0), ("c", GT.Q8_0), ("d", GT.Q5_1)):
+        raw = quants.quantize(rng.standard_normal((8, 64)).astype(np.float32), qtype)
+        w.add_tensor(name, raw, raw_dtype=qtype)
+    w.add_tensor("norm", np.ones(64, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    path = str(tmp_path / "m.gguf")
+    monkeypatch.setattr(kernels_cpu, "AVAILABLE", True)
+    assert weight_storage(path) == "kept quantized: Q5_0 x2, Q8_0 x1; dequantized to float32: Q5_1 x1; float32: F32 x1"
+    monkeypatch.setattr(kernels_cpu, "AVAILABLE", False)
+    assert weight_storage(path) == "dequantized to float32: Q5_0 x2, Q5_1 x1, Q8_0 x1; float32: F32 x1"
+    (tmp_path / "bad.gguf").write_bytes(b"GGUF" + b"\0" * 8)
+    assert weight_storage(str(tmp_path / "bad.gguf")) == "" == weight_storage(str(tmp_path))

@@ -13,7 +13,7 @@ from gguf import GGMLQuantizationType as GT, quants  # noqa: E402
 
 from turbospark_wsgi.engine import kernels_cpu, kernels_q8, quant  # noqa: E402
 
-TYPES = ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"]
+TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q6_K"]
 needs_numba = pytest.mark.skipif(not kernels_cpu.AVAILABLE, reason="numba is not installed")
 
 
@@ -28,7 +28,7 @@ def kernel_cases(test):
 def random_raw(qtype, n, k, rng):
     """GGUF bytes [n, row_bytes] of a random weight: gguf's quantizer for the types it supports,
     random blocks with small finite float16 scales for the K-quants (gguf cannot quantize them)."""
-    if qtype in ("Q4_0", "Q4_1", "Q8_0"):
+    if qtype in ("Q4_0", "Q4_1", "Q5_0", "Q8_0"):
         return quants.quantize(rng.standard_normal((n, k)).astype(np.float32), GT[qtype])
     size, at = {"Q4_K": (144, slice(0, 4)), "Q6_K": (210, slice(208, 210))}[qtype]
     raw = rng.integers(0, 256, (n, k // 256, size), dtype=np.uint8)
@@ -215,7 +215,7 @@ def test_supported_names_the_types_and_shapes_kept_in_block_form():
 
 def test_unsupported_type_and_bad_shapes_raise():
     with pytest.raises(ValueError, match="no block kernel"):
-        quant.decode(np.zeros((4, 22), np.uint8), GT.Q5_0.value, (4, 32))
+        quant.decode(np.zeros((4, 24), np.uint8), GT.Q5_1.value, (4, 32))
     with pytest.raises(ValueError, match="multiple of 256"):
         quant.decode(np.zeros((4, 144), np.uint8), GT.Q4_K.value, (4, 288))
     w, _ = make("Q8_0", 16, 2)

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from .backend import select_backend
 from .config import ModelConfig
 from . import kernels_cpu
-from .gguf import GGUFFile, model_config_from_gguf
+from .gguf import GGUFFile, ggml_type_name, model_config_from_gguf
 from .model import Transformer
 from .safetensors_io import SafetensorsDir, model_config_from_hf
 from .weights import layer_shapes, load_quantized_weights, load_weights, tensor_name
@@ -64,6 +64,29 @@ def _load(path, device, weights):
         # it is ready only once its first request runs at full speed
         kernels_cpu.warmup()
     return LoadedModel(cfg, model, metadata, kind, path, backend.name, backend.reason)
+
+
+def weight_storage(path):
+    """How the CPU engine holds a GGUF file's tensors, by type: "kept quantized: Q4_K x27, ...",
+    "float32: F32 x108" (stored so), "dequantized to float32: Q5_K x9" (types without a block
+    kernel, and every matrix when numba is missing). "" for a directory or an unreadable file."""
+    from . import quant
+    try:
+        tensors = GGUFFile(path).tensors.values() if os.path.isfile(path) else ()
+    except (OSError, ValueError):
+        return ""
+    groups = {}
+    for info in tensors:
+        name = ggml_type_name(info.ggml_type)
+        if kernels_cpu.AVAILABLE and quant.supported(info.ggml_type, info.shape):
+            where = "kept quantized"
+        else:
+            where = "float32" if name == "F32" else "dequantized to float32"
+        counts = groups.setdefault(where, {})
+        counts[name] = counts.get(name, 0) + 1
+    order = ("kept quantized", "dequantized to float32", "float32")
+    return "; ".join(f"{where}: " + ", ".join(f"{t} x{n}" for t, n in sorted(groups[where].items()))
+                     for where in order if where in groups)
 
 
 def _without_path(e):

@@ -6,7 +6,7 @@ Two layouts cover every supported GGUF type (value = q * d + m per block):
 * "q4": 32 weights per block as 16 bytes, low nibbles = weights 0-15, high nibbles = 16-31
   (Q4_0: m = -8d; Q4_1: d, m as stored; Q4_K: d = d*scale, m = -dmin*min per 32-weight sub-block).
 * "q8": int8 weights in sub-blocks of 16 with no min; one scale per `group` sub-blocks
-  (Q8_0: group 2; Q6_K: group 1, q - 32 and d = d*scale).
+  (Q8_0: group 2; Q5_0: group 2, its 5-bit q - 16; Q6_K: group 1, q - 32 and d = d*scale).
 
 `Blocks` is the row-major decoded form, on which rows can be permuted, scaled and concatenated.
 `QWeight` is the tiled form the kernels read: `tile` consecutive output rows are interleaved so
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-SUPPORTED = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0", 12: "Q4_K", 14: "Q6_K"}   # ggml type id -> name
+SUPPORTED = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 8: "Q8_0", 12: "Q4_K", 14: "Q6_K"}   # ggml type id -> name
 DEFAULT_TILE = None   # pick per matrix: see tile_for
 QK = 32          # weights per q4 block
 SUB = 16         # weights per q8 sub-block (and bytes per q4 block)
@@ -116,6 +116,17 @@ def _q8_0(raw):
     return Blocks("q8", q.reshape(q.shape[0], -1, SUB), _f16(raw, 0), None)
 
 
+def _q5_0(raw):
+    # 32 weights: float16 d, 32 high bits (bit j of weight j), 16 bytes of low nibbles as in Q4_0
+    n, nb, _ = raw.shape
+    qh = np.ascontiguousarray(raw[..., 2:6]).view("<u4")                  # [n, nb, 1]
+    hi = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.int16)    # [n, nb, 32]
+    qs = raw[..., 6:22]
+    lo = np.concatenate([qs & 15, qs >> 4], axis=-1).astype(np.int16)     # [n, nb, 32]
+    q = ((lo | (hi << 4)) - 16).astype(np.int8)
+    return Blocks("q8", q.reshape(n, -1, SUB), _f16(raw, 0), None)
+
+
 def _q4_0(raw):
     d = _f16(raw, 0)
     return Blocks("q4", np.ascontiguousarray(raw[..., 2:18]), d, d * np.float32(-8.0))
@@ -149,7 +160,7 @@ def _q6_k(raw):
     return Blocks("q8", q.reshape(n, -1, SUB), d, None)
 
 
-_DECODERS = {"Q8_0": _q8_0, "Q4_0": _q4_0, "Q4_1": _q4_1, "Q4_K": _q4_k, "Q6_K": _q6_k}
+_DECODERS = {"Q8_0": _q8_0, "Q5_0": _q5_0, "Q4_0": _q4_0, "Q4_1": _q4_1, "Q4_K": _q4_k, "Q6_K": _q6_k}
 
 
 # ---------------------------------------------------------------------------- tiling
