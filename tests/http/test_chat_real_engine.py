@@ -41,6 +41,15 @@ def test_stories_chat_runs_and_counts(stories):
     assert body["usage"]["completion_tokens"] <= 8 and body["usage"]["prompt_tokens"] > 0
 
 
+def test_truncate_prompt_tokens_keeps_the_rendered_prompts_last_tokens(stories):
+    long = [{"role": "user", "content": "word " * 300}]
+    body = {"messages": long, "max_tokens": 4, "temperature": 0}
+    cut = stories.post_json("/v1/chat/completions", dict(body, truncate_prompt_tokens=50)).json
+    assert cut["usage"]["prompt_tokens"] == 50
+    err = stories.post_json("/v1/chat/completions", dict(body, truncate_prompt_tokens=0), status=400).json["error"]
+    assert err["param"] == "truncate_prompt_tokens"
+
+
 @pytest.mark.slow
 def test_smollm_prompt_tokens_equal_the_engine_template(smollm):
     from turbospark_wsgi.engine import load_engine

@@ -71,7 +71,8 @@ _SCHEMAS = {
         max_tokens={"type": "integer", "minimum": 1}, max_completion_tokens={"type": "integer", "minimum": 1},
         tools={"type": "array", "items": _OBJ}, tool_choice={"oneOf": [_STR, _OBJ]},
         parallel_tool_calls=_BOOL, n={"type": "integer", "minimum": 1, "maximum": 20}, logprobs=_BOOL,
-        top_logprobs={"type": "integer", "minimum": 0, "maximum": 20}, response_format=_OBJ)},
+        top_logprobs={"type": "integer", "minimum": 0, "maximum": 20}, response_format=_OBJ,
+        truncate_prompt_tokens=_TRUNCATE)},
     "ChatCompletion": {"type": "object", "required": ["id", "object", "created", "model", "choices"],
                        "properties": {"id": _STR, "object": {"const": "chat.completion"}, "created": _INT,
                                       "model": _STR, "usage": _USAGE, "choices": {"type": "array", "items": {
