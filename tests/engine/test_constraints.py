@@ -109,3 +109,25 @@ def test_thinking_budget_on_a_real_run(engine):
                             constraint=engine.thinking_budget(4, prompt))
     out = [e.id for e in engine.generate(prompt, params) if isinstance(e, Token)]
     assert out[4:4 + len(close_ids)] == close_ids and len(out) == 12
+
+
+def test_added_text_tokens_are_text_to_the_grammar():
+    """Qwen's `<tool_call>`/`</tool_call>` are added tokens meant as text (GGUF user-defined): the grammar
+    may write `</tool_call>` as that one token and the matcher takes it; control tokens stay out."""
+    from turbospark_wsgi.engine.constraints import ConstraintCompiler
+    from turbospark_wsgi.engine.tokenizer import Tokenizer
+    tokens = ["<|im_end|>", "<tool_call>", "</tool_call>", "a", "b", "{", "}", "\"", ":", "Ċ", "Ġ"]
+    tok = Tokenizer.from_gguf_metadata({"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "qwen2",
+                                        "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.merges": [],
+                                        "tokenizer.ggml.token_type": [3, 4, 4] + [1] * 8,
+                                        "tokenizer.ggml.eos_token_id": 0})
+    grammar = ConstraintCompiler(tok, len(tokens)).compile(
+        {"grammars": [{"lark_grammar": 'start: "a" "\\n</tool_call>"'}]})
+    c = grammar.start()
+    c.advance(3)
+    c.advance(9)
+    assert np.nonzero(c.allowed_mask())[0].tolist() == [2]
+    c.advance(2)
+    assert c.is_done()
+    both = ConstraintCompiler(tok, len(tokens)).compile({"grammars": [{"lark_grammar": 'start: "<|im_end|>" | "b"'}]})
+    assert np.nonzero(both.start().allowed_mask())[0].tolist() == [4]
