@@ -1,5 +1,6 @@
 import datetime
 import os
+from pathlib import Path
 
 import pytest
 from tokenizers import Tokenizer as Backend
@@ -12,63 +13,11 @@ from turbospark_wsgi.engine.tokenizer import Tokenizer
 MODELS = os.path.expanduser(os.environ.get("TURBOSPARK_MODELS", "~/.cache/turbospark/models"))
 SMOL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
-# Written from the public structure of Qwen2.5-Instruct's template (tools in the system turn,
-# <tool_call> JSON in assistant turns, consecutive tool results grouped in one user turn).
-QWEN25_TEMPLATE = r"""{%- if tools %}
-    {{- '<|im_start|>system\n' }}
-    {%- if messages[0]['role'] == 'system' %}
-        {{- messages[0]['content'] }}
-    {%- else %}
-        {{- 'You are Qwen, created by Alibaba Cloud. You are a helpful assistant.' }}
-    {%- endif %}
-    {{- "\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>" }}
-    {%- for tool in tools %}
-        {{- "\n" }}
-        {{- tool | tojson }}
-    {%- endfor %}
-    {{- "\n</tools>\n\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n" }}
-{%- else %}
-    {%- if messages[0]['role'] == 'system' %}
-        {{- '<|im_start|>system\n' + messages[0]['content'] + '<|im_end|>\n' }}
-    {%- else %}
-        {{- '<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n' }}
-    {%- endif %}
-{%- endif %}
-{%- for message in messages %}
-    {%- if (message.role == "user") or (message.role == "system" and not loop.first) or (message.role == "assistant" and not message.tool_calls) %}
-        {{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>' + '\n' }}
-    {%- elif message.role == "assistant" %}
-        {{- '<|im_start|>' + message.role }}
-        {%- if message.content %}
-            {{- '\n' + message.content }}
-        {%- endif %}
-        {%- for tool_call in message.tool_calls %}
-            {%- if tool_call.function is defined %}
-                {%- set tool_call = tool_call.function %}
-            {%- endif %}
-            {{- '\n<tool_call>\n{"name": "' }}
-            {{- tool_call.name }}
-            {{- '", "arguments": ' }}
-            {{- tool_call.arguments | tojson }}
-            {{- '}\n</tool_call>' }}
-        {%- endfor %}
-        {{- '<|im_end|>\n' }}
-    {%- elif message.role == "tool" %}
-        {%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != "tool") %}
-            {{- '<|im_start|>user' }}
-        {%- endif %}
-        {{- '\n<tool_response>\n' }}
-        {{- message.content }}
-        {{- '\n</tool_response>' }}
-        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}
-            {{- '<|im_end|>\n' }}
-        {%- endif %}
-    {%- endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}
-    {{- '<|im_start|>assistant\n' }}
-{%- endif %}
-"""
+# The models' own templates, each file naming where it comes from.
+TEMPLATES = Path(__file__).parents[1] / "fixtures" / "chat_templates"
+QWEN25_TEMPLATE = (TEMPLATES / "qwen2.5-instruct.jinja").read_text(encoding="utf-8")
+QWEN3_TEMPLATE = (TEMPLATES / "qwen3.jinja").read_text(encoding="utf-8")
+R1_QWEN_TEMPLATE = (TEMPLATES / "deepseek-r1-distill-qwen.jinja").read_text(encoding="utf-8")
 
 # Written from the public structure of Llama-3.1-Instruct's template (date header, JSON tool
 # definitions in the first user turn, one tool call per assistant turn, ipython results).
@@ -227,6 +176,52 @@ def test_qwen25_template_matches_transformers(messages, tools):
     hf = hf_tokenizer_with(QWEN25_TEMPLATE, bos="<|endoftext|>", eos="<|im_end|>")
     ours = ChatTemplate(QWEN25_TEMPLATE, eos_token="<|im_end|>")
     assert ours.render(messages, tools=tools) == hf_render(hf, messages, tools=tools, add_generation_prompt=True)
+
+
+CALL = {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+QWEN3_CONVERSATIONS = [
+    # an earlier answer's thinking is dropped from the history, the last one's kept
+    [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "<think>\nadd\n</think>\n\n4"},
+     {"role": "user", "content": "and 3+3?"}],
+    [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4", "reasoning_content": "add them"}],
+    # a multi-step tool turn: thinking, two parallel calls with content, results grouped in one user turn
+    [{"role": "system", "content": "Use tools."}, {"role": "user", "content": "Weather in Paris and Oslo?"},
+     {"role": "assistant", "content": "Checking both.", "reasoning_content": "two cities",
+      "tool_calls": [CALL, {"type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+     {"role": "tool", "content": '{"temp": 21}'}, {"role": "tool", "content": '{"temp": 3}'}],
+    [{"role": "user", "content": "<tool_response>\nnot a tool turn\n</tool_response>"}],
+]
+
+
+# NOTE: the server sends a call-only assistant turn's content as "" (Qwen3's template tests it as text)
+@pytest.mark.parametrize("messages", CONVERSATIONS + QWEN3_CONVERSATIONS + [
+    [{**m, "content": m["content"] or ""} for m in TOOL_CONVERSATION]])
+@pytest.mark.parametrize("tools", [None, [WEATHER_TOOL]])
+@pytest.mark.parametrize("kwargs", [{}, {"enable_thinking": True}, {"enable_thinking": False}])
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_qwen3_template_matches_transformers(messages, tools, kwargs, add_generation_prompt):
+    hf = hf_tokenizer_with(QWEN3_TEMPLATE, bos="<|endoftext|>", eos="<|im_end|>")
+    ours = ChatTemplate(QWEN3_TEMPLATE, eos_token="<|im_end|>")
+    expected = hf_render(hf, messages, tools=tools, add_generation_prompt=add_generation_prompt, **kwargs)
+    assert ours.render(messages, tools=tools, add_generation_prompt=add_generation_prompt, **kwargs) == expected
+
+
+def test_qwen3_enable_thinking_false_closes_an_empty_think_block():
+    ours = ChatTemplate(QWEN3_TEMPLATE, eos_token="<|im_end|>")
+    hi = [{"role": "user", "content": "Hi"}]
+    assert ours.render(hi) == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    assert ours.render(hi, enable_thinking=False) == ("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+                                                      "<think>\n\n</think>\n\n")
+
+
+@pytest.mark.parametrize("messages", CONVERSATIONS + [QWEN3_CONVERSATIONS[0]])
+def test_r1_distill_qwen_template_matches_transformers(messages):
+    bos, eos = "<\uff5cbegin\u2581of\u2581sentence\uff5c>", "<\uff5cend\u2581of\u2581sentence\uff5c>"
+    hf = hf_tokenizer_with(R1_QWEN_TEMPLATE, bos=bos, eos=eos)
+    ours = ChatTemplate(R1_QWEN_TEMPLATE, bos, eos)
+    rendered = ours.render(messages)
+    assert rendered == hf_render(hf, messages, add_generation_prompt=True)
+    assert rendered.startswith(bos) and rendered.endswith("<\uff5cAssistant\uff5c>") and "add" not in rendered
 
 
 @pytest.mark.parametrize("messages", CONVERSATIONS + [TOOL_CONVERSATION])
