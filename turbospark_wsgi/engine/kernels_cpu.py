@@ -231,7 +231,17 @@ class QLinear:
         lead = x.shape[:-1]
         if not AVAILABLE:
             return quant.matmul_ref(x.reshape(-1, self.w.k), self.w).reshape(*lead, self.w.n)
-        y = qmatmul(x.reshape(-1, self.w.k), self.w, threads=self.threads, path=path)
+        x = x.reshape(-1, self.w.k)
+        p = self.w.parts[0]
+        if ACTIVATIONS == "int8" and kernels_q8.AVAILABLE and len(self.w.parts) == 1 and \
+                p.qs.shape[0] * p.tile == p.n and p.tile % kernels_q8.LANES == 0:
+            # PERF(dispatch): the common case (one part, no padding rows) straight to its kernel,
+            # what qmatmul would do with a few Python steps less for each of a token's ~120 products
+            x, y = np.ascontiguousarray(x), np.empty((x.shape[0], p.n), np.float32)
+            _use_threads(_threads_for(x.shape[0], self.w, self.threads))
+            kernels_q8.matmul(x, p, y)
+        else:
+            y = qmatmul(x, self.w, threads=self.threads, path=path)
         return y.reshape(*lead, self.w.n)
 
 
@@ -255,9 +265,7 @@ def qmatmul(x, w, out=None, threads=None, path="auto", activations=None):
         raise ValueError(f"activation shape {x.shape} does not match weight {w.shape}")
     y = np.empty((x.shape[0], w.n), np.float32) if out is None else out
     use_gemv = path == "gemv" or (path == "auto" and x.shape[0] <= GEMV_MAX_B)
-    if threads is None and x.shape[0] == 1 and SINGLE_ROW_THREADS and w.n * w.k < BIG_SINGLE_ROW:
-        threads = SINGLE_ROW_THREADS
-    _use_threads(threads)
+    _use_threads(_threads_for(x.shape[0], w, threads))
     # NOTE(exact-batching): int8 activations take the integer kernels for any row count, prompt
     # chunks and decode steps alike, so a row's bits never depend on the call it came in.
     int8 = path != "blas" and (activations or ACTIVATIONS) == "int8" and kernels_q8.AVAILABLE
@@ -270,6 +278,12 @@ def qmatmul(x, w, out=None, threads=None, path="auto", activations=None):
             _blas(x, p, part)
         start += p.n
     return y
+
+
+def _threads_for(rows, w, threads):
+    if threads is None and rows == 1 and SINGLE_ROW_THREADS and w.n * w.k < BIG_SINGLE_ROW:
+        return SINGLE_ROW_THREADS
+    return threads
 
 
 def _gemv(x, p, y, int8=False):
