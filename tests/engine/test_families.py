@@ -11,7 +11,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from turbospark_wsgi.engine import Token, load_engine  # noqa: E402
+from turbospark_wsgi.engine import SamplingParams, Token, load_engine  # noqa: E402
 from turbospark_wsgi.engine.loader import load_model  # noqa: E402
 
 
@@ -344,3 +344,72 @@ def test_a_file_without_a_template_gets_its_architectures(tmp_path, family, temp
     assert text == {"gemma3": f"{engine.tokenizer.bos_token}<start_of_turn>user\nS\n\nu<end_of_turn>\n<start_of_turn>model\n",
                     "chatml": "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nu<|im_end|>\n"
                               "<|im_start|>assistant\n"}[template]
+
+
+LLAMA_SERVER = Path("/opt/llama.cpp/bin/llama-server")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not LLAMA_SERVER.is_file(), reason="llama.cpp's llama-server is not installed")
+def test_qwen2_gguf_matches_llama_cpp(tmp_path):
+    """A tiny Qwen2 GGUF with a Qwen-shaped vocabulary ("qwen2" pre-tokenizer) in llama.cpp's
+    llama-server: the same ids for tricky text (llama.cpp has no NFC step, so decomposed text is left
+    out: there Qwen's own tokenizer is the reference) and the same 16 greedy tokens."""
+    import json
+    import socket
+    import subprocess
+    import time
+    import unicodedata
+    import urllib.request
+
+    import gguf
+    toks = _module("tokenizer_cases_families", "test_tokenizer.py")
+    _, meta = toks.qwen_meta()
+    cfg = {**family_config("qwen2"), "vocab_size": len(meta["tokenizer.ggml.tokens"]), "max_position_embeddings": 512}
+    path = tmp_path / "tiny-qwen2-vocab.gguf"
+    w = gguf.GGUFWriter(str(path), "qwen2")
+    tiny.add_gguf_hparams(w, cfg, "tiny-qwen2")
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    w.add_token_list(meta["tokenizer.ggml.tokens"])
+    w.add_token_types(meta["tokenizer.ggml.token_type"])
+    w.add_token_merges(meta["tokenizer.ggml.merges"])
+    w.add_eos_token_id(meta["tokenizer.ggml.eos_token_id"])
+    w.add_add_bos_token(False)
+    for name, value in family_state("qwen2", cfg).items():
+        tiny.store_gguf_tensor(w, gguf_name(name, "qwen2"), value, "F32")
+    tiny.finish_gguf(w)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen([str(LLAMA_SERVER), "-m", str(path), "--port", str(port), "-t", "1", "-c", "512",
+                               "--no-warmup", "-np", "1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def post(route, body):
+        request = urllib.request.Request(f"http://127.0.0.1:{port}{route}", json.dumps(body).encode(),
+                                         {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=60) as resp:
+            return json.load(resp)
+    try:
+        for _ in range(120):
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+                break
+            except OSError:
+                time.sleep(0.5)
+        engine = load_engine(str(path), device="cpu")
+        texts = [t for t in toks.QWEN_TRICKY + toks.fuzz_strings(21, 200, toks.QWEN_PARTS)
+                 if unicodedata.is_normalized("NFC", t)]
+        assert len(texts) > 150
+        for text in texts:
+            theirs = post("/tokenize", {"content": text, "add_special": False, "parse_special": True})["tokens"]
+            assert engine.tokenizer.encode(text) == theirs, text
+        for prompt in ["Hello, world! It's 2024;", "你好，世界。 😀 numbers 12345"]:
+            ids = engine.tokenizer.encode(prompt)
+            theirs = post("/completion", {"prompt": ids, "n_predict": 16, "temperature": 0, "top_k": 1,
+                                          "cache_prompt": False, "samplers": ["top_k"], "return_tokens": True})
+            params = SamplingParams(max_new_tokens=16, temperature=0.0)
+            assert [e.id for e in engine.generate(ids, params) if isinstance(e, Token)] == theirs["tokens"]
+    finally:
+        server.terminate()
+        server.wait()
