@@ -59,8 +59,8 @@ class ConstraintCompiler:
             if self._ll is None:
                 import llguidance
                 eos = self._tokenizer.eos_id
-                self._ll = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_Vocabulary(self._tokenizer, self._vocab)),
-                                                  n_vocab=self._vocab, eos_token=eos)
+                vocabulary = llguidance.TokenizerWrapper(_Vocabulary(self._tokenizer, self._vocab))
+                self._ll = llguidance.LLTokenizer(vocabulary, n_vocab=self._vocab, eos_token=eos)
             return self._ll
 
 
