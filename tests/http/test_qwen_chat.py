@@ -197,3 +197,23 @@ def test_forced_tool_call_on_the_real_tokenizer(qwen3):
         assert answer["finish_reason"] == "tool_calls" and answer["message"]["content"] is None
         assert call["function"]["name"] == "get_weather"
         assert list(json.loads(call["function"]["arguments"])) == ["city"]
+
+
+def test_messages_api_thinking_and_tool_use(harness):
+    client = reply(harness, THINK + CALL, QWEN3)
+    body = {"max_tokens": 2000, "messages": USER, "thinking": {"type": "enabled", "budget_tokens": 1024},
+            "tools": [{"name": "get_weather", "input_schema": TOOLS[0]["function"]["parameters"]}]}
+    answer = client.post_json("/v1/messages", body).json
+    thinking, use = answer["content"]
+    assert thinking == {"type": "thinking", "thinking": "The user wants the weather; call the tool.", "signature": ""}
+    assert (use["type"], use["name"], use["input"]) == ("tool_use", "get_weather", {"city": "Paris"})
+    assert answer["stop_reason"] == "tool_use"
+
+
+def test_messages_api_thinking_switch_reaches_the_template(qwen3):
+    def count(kind):
+        body = {"model": "tiny-qwen3", "messages": USER, "thinking": {"type": kind}}
+        if kind == "enabled":
+            body["thinking"]["budget_tokens"] = 1024
+        return qwen3.post_json("/v1/messages/count_tokens", body).json["input_tokens"]
+    assert count("disabled") - count("enabled") == len(rendered(qwen3, {"content": "<think>\n\n</think>\n\n"})[0])
