@@ -16,6 +16,10 @@ _spec = importlib.util.spec_from_file_location("tiny_models_gemma3", Path(__file
 tiny = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(tiny)
 
+_spec = importlib.util.spec_from_file_location("batching_gemma3", Path(__file__).with_name("test_batching.py"))
+batching = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(batching)
+
 GEMMA3 = tiny.MODELS_DIR / "gemma-3-270m-q4_k_m.gguf"
 STEPS = 32
 TOL = 1e-3
@@ -117,3 +121,16 @@ def test_tokenizing_4k_tokens_is_faster_than_prefilling_128(engine):
     start = time.perf_counter()
     model.forward(ids[:128], model.new_cache(), logits="last")
     assert encode_s < time.perf_counter() - start
+
+
+def test_batching_and_a_prefix_past_the_window_change_nothing(engine):
+    """Two prompts decoded together equal each alone; a second turn over a 560-token first turn (past
+    the 512 window) reuses it from the prefix cache and runs as a cold start does."""
+    from turbospark_wsgi.engine import SamplingParams
+    prompts = [engine.encode(t, add_bos=True) for t in ("The capital of France is", "Once upon a time, a fox")]
+    params = [SamplingParams(temperature=0, max_new_tokens=8) for _ in prompts]
+    solo = [batching.run_alone(engine, p, q) for p, q in zip(prompts, params)]
+    assert batching.run_together(engine, prompts, params) == solo
+    text = " ".join(f"Item {i} is a {['red', 'blue', 'green'][i % 3]} box." for i in range(200))
+    turn1 = engine.encode(text, add_bos=True)[:560]
+    batching.check_next_turn_reuses_the_whole_prompt(engine, turn1, engine.encode(" Which box?", add_bos=False), 4)
