@@ -59,32 +59,21 @@ class ConstraintCompiler:
             if self._ll is None:
                 import llguidance
                 eos = self._tokenizer.eos_id
-                vocabulary = llguidance.TokenizerWrapper(_Vocabulary(self._tokenizer, self._vocab))
-                self._ll = llguidance.LLTokenizer(vocabulary, n_vocab=self._vocab, eos_token=eos)
+                self._ll = llguidance.LLTokenizer(_text_tokens_unmarked(self._tokenizer.backend.to_str()),
+                                                  n_vocab=self._vocab, eos_token=eos)
             return self._ll
 
 
-class _Vocabulary:
-    """The vocabulary as llguidance's TokenizerWrapper reads it: each token's bytes as our decoder
-    writes them, and the control tokens apart.
+def _text_tokens_unmarked(spec):
+    """The tokenizer.json llguidance reads, with only control tokens left in `added_tokens`.
 
-    NOTE(added-tokens): built from tokenizer.json, llguidance takes every added token for a special
-    one, also those the vocabulary means as text (Qwen's `<tool_call>`, `<think>`): its mask then
-    offers `</tool_call>` as one token and its matcher refuses it. Here only control tokens are special."""
-
-    def __init__(self, tokenizer, vocab_size):
-        self._tokenizer = tokenizer
-        self.eos_token_id = tokenizer.eos_id if tokenizer.eos_id is not None else 0
-        self.bos_token_id = tokenizer.bos_id
-        self.tokens = [tokenizer.token_bytes(i) for i in range(vocab_size)]
-        self.special_token_ids = [i for i, b in enumerate(self.tokens) if not b or tokenizer.is_special(i)]
-        for i in self.special_token_ids:
-            self.tokens[i] = self.tokens[i] or f"<[{i}]>".encode()
-
-    def __call__(self, text):
-        if not isinstance(text, str):
-            raise TypeError("text only")            # tells the wrapper to pass str, not bytes
-        return self._tokenizer.encode(text, plain=((0, len(text)),))
+    NOTE(added-tokens): llguidance takes an added token spelled `<...>` for a special one even when the
+    vocabulary means it as text (Qwen's `<tool_call>`, `<think>`): its mask then offers `</tool_call>`
+    as one token and its matcher refuses it. Left in the vocabulary only, such a token is plain text
+    to the grammar, as it is to our decoder."""
+    spec = json.loads(spec)
+    spec["added_tokens"] = [t for t in spec.get("added_tokens") or () if t.get("special")]
+    return json.dumps(spec)
 
 
 class Grammar:
