@@ -4,9 +4,11 @@ Up to GEMV_MAX_B rows (decode steps and prefill chunks) run fused dequantize-and
 each SIMD lane is one output row (see quant.QWeight), so there are no horizontal sums, and the
 weights are streamed from memory once per call (each block is unpacked once into a small float32
 tile that all rows reuse; q8 with B <= 2 unpacks per row). A row's result never depends on the
-rows beside it. Larger calls dequantize slabs of W.T to float32 and hand them to BLAS. Activations
-stay float32: the results equal the dequantize-then-matmul reference up to float32 summation
-order. `attend` is causal attention computed row by row, for prompts and decode steps alike.
+rows beside it. Larger calls dequantize slabs of W.T to float32 and hand them to BLAS. These
+keep activations float32: the results equal the dequantize-then-matmul reference up to float32
+summation order. By default (ACTIVATIONS "int8") every product of any row count goes to the
+integer kernels of kernels_q8 instead. `attend` is causal attention computed row by row, for
+prompts and decode steps alike.
 """
 import os
 import threading
@@ -215,6 +217,11 @@ class QLinear:
     def __init__(self, w, threads=None):
         self.w, self.threads = w, threads
         self.shape = (w.k, w.n)   # the float32 matrix it replaces is (in, out)
+        if ACTIVATIONS == "int8" and kernels_q8.AVAILABLE:
+            # the int8 kernels' layout, built at load rather than by a first request (~1 s for SmolLM2)
+            for p in w.parts:
+                if p.tile % kernels_q8.LANES == 0:
+                    kernels_q8.prepare(p)
         self.nbytes = w.nbytes
 
     def __rmatmul__(self, x):

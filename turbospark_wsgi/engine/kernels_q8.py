@@ -233,7 +233,7 @@ if AVAILABLE:
                 y[i, t * R:t * R + R] = acc[i]
 
 
-    @njit(**_JIT)
+    @njit(cache=True, nogil=True)
     def _product(x, qv, d, m, y):   # pragma: no cover - compiled
         # PERF(dispatch): quantizing inside the one call saves a dispatch and four arrays a product
         B, K = x.shape

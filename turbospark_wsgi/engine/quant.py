@@ -64,7 +64,8 @@ class QWeight:
 
     @property
     def nbytes(self):
-        return self.qs.nbytes + self.d.nbytes + (0 if self.m is None else self.m.nbytes)
+        extra = [a.nbytes for a in (self.m, self.qv) if a is not None]
+        return self.qs.nbytes + self.d.nbytes + sum(extra)
 
 
 @dataclass(slots=True)
