@@ -31,7 +31,7 @@ bind = f"{_config.host}:{_config.port}"
 worker_class = {"gthread": "turbospark_wsgi.workers.ThreadWorker",
                 "gevent": "turbospark_wsgi.workers.GeventWorker"}[_config.worker_class]
 workers = 1                                  # one engine, one compute thread and one FIFO per process
-threads = max(_config.threads, _config.max_waiting + 4)
+threads = _config.threads                    # config.worker_threads: every open stream holds one
 worker_connections = max(1000, threads)      # open connections per worker: a slow one costs a socket
 timeout = 30                                 # heartbeat only: engine work runs off the request threads
 graceful_timeout = int(_config.graceful_timeout)  # let running generations finish on SIGTERM / reload

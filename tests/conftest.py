@@ -171,7 +171,7 @@ class Harness:
             self.engines[name] = FakeEngine(name=name, **kw)
         return self.engines[name]
 
-    def load(self, path, device="auto", name=None, max_context=0, prefill_chunk=256, max_batch=1, max_paused=0):
+    def load(self, path, options=None, name=None):
         self.loads.append(path)
         if os.path.basename(path).startswith("broken"):
             raise ValueError("unsupported tensor type Q3_XX in blk.0.attn_q.weight")

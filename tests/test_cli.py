@@ -149,11 +149,11 @@ README = (REPO / "README.md").read_text()
 def test_readme_documents_every_config_variable_and_serve_flag():
     from dataclasses import fields
 
-    from turbospark_wsgi.config import Config, _env
+    from turbospark_wsgi.config import Config, env_name
 
     for f in fields(Config):
         if f.name != "load_default":
-            assert f"`{_env(f.name)}`" in README, _env(f.name)
+            assert f"`{env_name(f.name)}`" in README, env_name(f.name)
     serve_parser = cli.build_parser()._subparsers._group_actions[0].choices["serve"]
     for action in serve_parser._actions:
         for flag in action.option_strings:

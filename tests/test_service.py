@@ -1,4 +1,4 @@
-"""Config, registry and the service seam, on the fake engine."""
+"""The registry and the service seam, on the fake engine (Config: test_config.py)."""
 import json
 import os
 import struct
@@ -9,7 +9,7 @@ import pytest
 
 from turbospark_wsgi import compute
 from turbospark_wsgi.cancel import CancelToken
-from turbospark_wsgi.config import Config, ConfigError
+from turbospark_wsgi.config import Config
 from turbospark_wsgi.engine import SamplingParams
 from turbospark_wsgi.registry import Registry
 from turbospark_wsgi.errors import (ContextLengthExceeded, EngineError, InvalidRequest, ModelLoadError,
@@ -21,35 +21,6 @@ from turbospark_wsgi.service import GenerationRequest
 def request(**kw):
     kw.setdefault("prompt", "hi")
     return GenerationRequest(**kw)
-
-
-# ---- config ----------------------------------------------------------------------------------
-
-def test_config_defaults_and_env():
-    assert Config().max_waiting == 16 and Config().threads == 16 + 8 + 8 + 4 and Config().model == "smollm2-135m-instruct"
-    c = Config.from_env({"TURBOSPARK_MODELS": "~/m", "TURBOSPARK_MAX_WAITING": "3", "TURBOSPARK_DEVICE": "CPU",
-                         "TURBOSPARK_API_KEYS": "a, b,,", "TURBOSPARK_QUEUE_TIMEOUT": "2.5",
-                         "TURBOSPARK_WORKER_CLASS": "gevent", "TURBOSPARK_PORT": "9000",
-                         "TURBOSPARK_MAX_PAUSED": "2"})
-    assert c.models_dir == os.path.expanduser("~/m") and c.max_waiting == 3 and c.device == "cpu"
-    assert c.api_keys == ("a", "b") and c.queue_timeout == 2.5 and c.worker_class == "gevent" and c.port == 9000
-    assert c.threads == 3 + 8 + 2 + 4 and c.max_paused == 2
-
-
-@pytest.mark.parametrize("env, words", [
-    ({"TURBOSPARK_MAX_WAITING": "lots"}, "TURBOSPARK_MAX_WAITING must be an integer"),
-    ({"TURBOSPARK_MAX_WAITING": "-1"}, "TURBOSPARK_MAX_WAITING must be >= 0"),
-    ({"TURBOSPARK_DEVICE": "tpu"}, "TURBOSPARK_DEVICE must be one of"),
-    ({"TURBOSPARK_KEEPALIVE": "0"}, "keepalive"),
-    ({"TURBOSPARK_QUEUE_TIMEOUT": "nan"}, "TURBOSPARK_QUEUE_TIMEOUT"),
-    ({"TURBOSPARK_MAX_BODY": "0"}, "TURBOSPARK_MAX_BODY must be >= 1"),
-    ({"TURBOSPARK_WORKER_CLASS": "sync"}, "TURBOSPARK_WORKER_CLASS"),
-    ({"TURBOSPARK_LOAD_DEFAULT": "maybe"}, "true or false"),
-])
-def test_config_errors_name_the_variable(env, words):
-    with pytest.raises(ConfigError) as e:
-        Config.from_env(env)
-    assert words in str(e.value)
 
 
 # ---- registry --------------------------------------------------------------------------------

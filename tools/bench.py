@@ -24,6 +24,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from turbospark_wsgi.config import Config  # noqa: E402
 from turbospark_wsgi.engine.loader import load_model  # noqa: E402
 from turbospark_wsgi.pull import default_model_path  # noqa: E402
 
@@ -34,7 +35,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--device", default="auto")
+    p.add_argument("--device", help="auto, cpu or cuda (default TURBOSPARK_DEVICE or auto)")
     p.add_argument("--prompt-tokens", type=int, default=512)
     p.add_argument("--decode-steps", type=int, default=128)
     p.add_argument("--threads", type=int, default=0, help="BLAS threads (0: library default)")
@@ -77,7 +78,8 @@ def summary(values):
 
 def run_engine_bench(args):
     t0 = time.perf_counter()
-    loaded = load_model(args.model, device=args.device)
+    # the server's options (TURBOSPARK_WEIGHTS, ...), the device from --device when given
+    loaded = load_model(args.model, Config.from_env().engine_options(), device=args.device)
     print(f"model {args.model}\nbackend {loaded.backend} ({loaded.backend_reason}); "
           f"load {time.perf_counter() - t0:.2f} s")
     rng = np.random.default_rng(0)

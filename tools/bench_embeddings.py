@@ -46,11 +46,11 @@ def main(argv=None):
     from sentence_transformers import SentenceTransformer
     from threadpoolctl import threadpool_limits
 
-    from turbospark_wsgi.engine import encoder
+    from turbospark_wsgi.engine import EngineOptions
     from turbospark_wsgi.engine.encoder import load_encoder
     torch.set_num_threads(args.threads)
-    encoder.ENCODER_THREADS = args.threads          # same threads on both sides
-    ours, theirs = load_encoder(args.model), SentenceTransformer(args.model, device="cpu")
+    ours = load_encoder(args.model, EngineOptions(encoder_threads=args.threads))     # same threads on both sides
+    theirs = SentenceTransformer(args.model, device="cpu")
     print(f"{args.model}: {args.threads} threads, median of {args.repeats}")
     print(f"{'tokens':>6} {'batch':>5} {'ours s/s':>10} {'s-t s/s':>10} {'ratio':>6} {'load':>5}")
     with threadpool_limits(args.threads):

@@ -89,12 +89,10 @@ def greedy(max_tokens):
 
 
 def load(model, max_batch):
-    """The engine as the server loads it: device, context and prefill chunk from TURBOSPARK_*."""
+    """The engine as the server loads it (its options from TURBOSPARK_*), on the CPU."""
     from turbospark_wsgi.config import Config
     from turbospark_wsgi.engine import load_engine
-    cfg = Config.from_env()
-    return load_engine(model, device="cpu", max_context=cfg.max_context, prefill_chunk=cfg.prefill_chunk,
-                       max_batch=max_batch)
+    return load_engine(model, Config.from_env().engine_options(), device="cpu", max_batch=max_batch)
 
 
 def counting_prompts(clients, per_client, first=500000):

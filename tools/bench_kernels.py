@@ -141,7 +141,7 @@ def bench_model(args):
     runs = {}
     if args.only in (None, "fp32"):
         t0 = time.perf_counter()
-        runs["fp32"] = (load_model(args.model, "cpu").model, time.perf_counter() - t0)
+        runs["fp32"] = (load_model(args.model, device="cpu", weights="fp32").model, time.perf_counter() - t0)
     if args.only in (None, "quant"):
         t0 = time.perf_counter()
         _, cfg, source = _open_gguf(args.model)

@@ -6,7 +6,7 @@ import logging
 import falcon
 import falcon.media
 
-from . import refusal
+from . import compute, refusal
 from .config import Config
 from .errors import (ApiError, EngineError, InvalidRequest, MethodNotAllowed, NotFound, PayloadTooLarge,
                      Unauthorized, UnsupportedMediaType)
@@ -41,6 +41,7 @@ def create_app(config=None, service=None):
     `/health` answers 503 until the model is loaded.
     """
     config = config or Config()
+    compute.configure(config.compute_nice)
     service = service or Service(config)
     # NOTE(order): CORS answers preflights before auth; its process_response also reaches 401s.
     app = falcon.App(middleware=[RequestContext(config.replica_id, config.body_timeout),

@@ -7,23 +7,15 @@ import time
 from pathlib import Path
 
 from . import pull as pulling
+from .config import DEFAULT_MODEL, Config, ConfigError, env_name, setting_from_env
 
 WSGI_APP = "turbospark_wsgi.wsgi:app"
 
-# flag dest -> environment variable read by config.py / gunicorn.conf.py
-SERVE_ENV = {
-    "model": "TURBOSPARK_MODEL",
-    "models_dir": "TURBOSPARK_MODELS",
-    "host": "TURBOSPARK_HOST",
-    "port": "TURBOSPARK_PORT",
-    "device": "TURBOSPARK_DEVICE",
-    "max_waiting": "TURBOSPARK_MAX_WAITING",
-    "threads": "TURBOSPARK_THREADS",
-    "worker_class": "TURBOSPARK_WORKER_CLASS",
-    "max_body": "TURBOSPARK_MAX_BODY",
-    "max_context": "TURBOSPARK_MAX_CONTEXT",
-    "api_key": "TURBOSPARK_API_KEYS",
-}
+# flag dest -> environment variable read by config.py (for gunicorn.conf.py and the workers)
+SERVE_ENV = {dest: env_name(field) for dest, field in {
+    "model": "model", "models_dir": "models_dir", "host": "host", "port": "port", "device": "device",
+    "max_waiting": "max_waiting", "threads": "threads", "worker_class": "worker_class", "max_body": "max_body",
+    "max_context": "max_context", "api_key": "api_keys"}.items()}
 
 
 def build_parser():
@@ -31,7 +23,7 @@ def build_parser():
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_parser(sub.add_parser("serve", help="serve a model over HTTP with gunicorn"))
     p = sub.add_parser("pull", help="download a known model into the models directory")
-    p.add_argument("name", nargs="?", default=pulling.DEFAULT_MODEL,
+    p.add_argument("name", nargs="?", default=DEFAULT_MODEL,
                    help=f"one of: {', '.join(sorted(pulling.SOURCES))} (default %(default)s)")
     _models_dir_arg(p)
     p.add_argument("--quiet", action="store_true", help="no progress output")
@@ -46,7 +38,7 @@ def _models_dir_arg(p):
 
 
 def _serve_parser(p):
-    p.add_argument("--model", help=f"model name, id or path (default {pulling.DEFAULT_MODEL}, "
+    p.add_argument("--model", help=f"model name, id or path (default {DEFAULT_MODEL}, "
                                    "pulled first when missing)")
     _models_dir_arg(p)
     p.add_argument("--host", help="bind address (default 127.0.0.1)")
@@ -61,14 +53,16 @@ def _serve_parser(p):
 
 
 def _check_parser(p):
-    p.add_argument("--model", default=pulling.DEFAULT_MODEL, help="model name, id or path")
+    p.add_argument("--model", default=DEFAULT_MODEL, help="model name, id or path")
     _models_dir_arg(p)
     p.add_argument("--prompt", required=True)
     p.add_argument("--chat", action="store_true", help="apply the model's chat template")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int)
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], help="array backend (default TURBOSPARK_DEVICE "
+                                                                    "or auto); the other engine settings "
+                                                                    "come from TURBOSPARK_* as the server's do")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the text")
 
 
@@ -77,7 +71,7 @@ def main(argv=None):
     handler = {"serve": cmd_serve, "pull": cmd_pull, "models": cmd_models, "check": cmd_check}
     try:
         return handler[args.command](args) or 0
-    except pulling.PullError as exc:
+    except (pulling.PullError, ConfigError) as exc:
         print(f"turbospark: {exc}", file=sys.stderr)
         return 1
 
@@ -102,10 +96,10 @@ def serve_command(args, environ=None):
         value = getattr(args, dest, None)
         if value is not None:
             env[var] = ",".join(value) if isinstance(value, list) else str(value)
-    model = env.get("TURBOSPARK_MODEL") or pulling.DEFAULT_MODEL
+    model = setting_from_env("model", env)
     if model in pulling.SOURCES:
         # NOTE(alias): the name stays in TURBOSPARK_MODEL; the registry maps it to the pulled file.
-        pulling.pull(model, Path(env.get("TURBOSPARK_MODELS") or pulling.default_models_dir()).expanduser())
+        pulling.pull(model, Path(setting_from_env("models_dir", env)))
     return [sys.executable, "-m", "gunicorn", "-c", str(gunicorn_conf()), WSGI_APP], env
 
 
@@ -136,8 +130,7 @@ def cmd_models(args):
               f"{weight_storage(str(path))}")
 
 
-def _registry(directory, model=pulling.DEFAULT_MODEL):
-    from .config import Config
+def _registry(directory, model=DEFAULT_MODEL):
     from .registry import Registry
 
     return Registry(Config(models_dir=str(directory), model=model, load_default=False))
@@ -169,7 +162,8 @@ def resolve_model(name, directory):
 def cmd_check(args):
     from .engine import SamplingParams, load_engine
 
-    engine = load_engine(resolve_model(args.model, models_dir(args)), device=args.device)
+    options = Config.from_env().engine_options()
+    engine = load_engine(resolve_model(args.model, models_dir(args)), options, device=args.device)
     if args.chat:
         prompt_ids = engine.apply_chat_template([{"role": "user", "content": args.prompt}])
     else:

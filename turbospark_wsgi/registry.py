@@ -10,11 +10,12 @@ from dataclasses import dataclass
 
 from . import compute, metrics
 from .errors import ModelLoadError, ModelNotFound, Overloaded
+from .pull import SOURCES
 
 log = logging.getLogger("turbospark.registry")
 
-BUILTIN_ALIASES = {"smollm2-135m-instruct": "SmolLM2-135M-Instruct.Q4_1.gguf",
-                   "gemma3-270m": "gemma-3-270m-q4_k_m.gguf"}
+# a pulled model's name is an alias of its file where the file is named otherwise
+BUILTIN_ALIASES = {name: source.filename for name, source in SOURCES.items() if source.filename != name}
 ALIASES_FILE = "aliases.json"
 
 
@@ -59,8 +60,8 @@ class Registry:
 
     With `config.model_memory` (bytes) set, loading a model first unloads idle models, least
     recently used first, until the estimated sizes fit; models held by a `Lease` stay.
-    `loader(path, device=, name=, max_context=, prefill_chunk=, max_batch=, max_paused=)` defaults to
-    `turbospark_wsgi.engine.load_engine`; tests inject a fake.
+    `loader(path, options=EngineOptions, name=)` defaults to `turbospark_wsgi.engine.load_engine`;
+    tests inject a fake.
     """
 
     def __init__(self, config, loader=None):
@@ -164,9 +165,7 @@ class Registry:
         started = time.monotonic()
         model_id = _id_for(key, self._installed())
         try:
-            engine = compute.run(self._loader_for(key), key, device=self._config.device, name=model_id,
-                                 max_context=self._config.max_context, prefill_chunk=self._config.prefill_chunk,
-                                 max_batch=self._config.max_batch, max_paused=self._config.max_paused)
+            engine = compute.run(self._loader_for(key), key, options=self._config.engine_options(), name=model_id)
         except Exception as e:     # noqa: BLE001 - any failure to load a file is that model's failure
             if isinstance(e, (ValueError, OSError, ImportError, KeyError)):
                 log.error("loading %s failed: %s", key, e)

@@ -5,6 +5,7 @@ import types
 import numpy as np
 import pytest
 
+from turbospark_wsgi.config import Config
 from turbospark_wsgi.engine.backend import select_backend, to_host
 from turbospark_wsgi.engine.loader import load_model
 
@@ -19,11 +20,6 @@ def _cupy_usable():
 
 gpu = pytest.mark.gpu
 needs_gpu = pytest.mark.skipif("not _cupy_usable()", reason="needs cupy and a usable CUDA device")
-
-
-@pytest.fixture(autouse=True)
-def _no_env(monkeypatch):
-    monkeypatch.delenv("TURBOSPARK_DEVICE", raising=False)
 
 
 def fake_cupy(monkeypatch, available=True, broken=False):
@@ -61,11 +57,10 @@ def test_forced_cuda_raises_with_the_reason(monkeypatch):
     assert "smoke computation failed" in select_backend("auto").reason
 
 
-def test_env_and_cpu(monkeypatch):
+def test_env_and_cpu():
     assert select_backend("cpu").name == "numpy"
-    monkeypatch.setenv("TURBOSPARK_DEVICE", "cpu")
-    assert select_backend().reason == "cpu requested"
-    assert select_backend("auto").reason == "cpu requested"
+    device = Config.from_env({"TURBOSPARK_DEVICE": "cpu"}).engine_options().device    # the server's path
+    assert select_backend(device).reason == "cpu requested"
     with pytest.raises(ValueError, match="unknown device 'tpu'"):
         select_backend("tpu")
 

@@ -96,8 +96,7 @@ def test_quantized_engine_batches_exactly_and_agrees_with_fp32(default_gguf, mon
     params = [SamplingParams(temperature=0, max_new_tokens=12) for _ in prompts]
     solo = [run_alone(quant, p, q) for p, q in zip(prompts, params)]
     assert run_together(quant, prompts, params) == solo
-    monkeypatch.setenv("TURBOSPARK_WEIGHTS", "fp32")
-    fp32 = load_engine(default_gguf, device="cpu", max_batch=1)
+    fp32 = load_engine(default_gguf, device="cpu", max_batch=1, weights="fp32")
     assert type(fp32.model.w.head).__name__ != "QLinear"
     monkeypatch.setattr(kernels_cpu, "ACTIVATIONS", "float32")      # the kernels equal to the float32 reference
     ids = prompts[0]

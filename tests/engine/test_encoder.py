@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from turbospark_wsgi.engine import EngineOptions
 from turbospark_wsgi.engine import encoder as E
 
 MODEL_DIR = Path(os.path.expanduser(os.environ.get("TURBOSPARK_MODELS", "~/.cache/turbospark/models"))) / "all-minilm-l6-v2"
@@ -104,9 +105,8 @@ def test_products_run_on_the_encoders_threads_whatever_a_decoder_capped_blas_at(
     def blas():
         return [i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"]
 
-    enc, seen, linear = E.load_encoder(str(MODEL_DIR)), [], E._linear
+    enc, seen, linear = E.load_encoder(str(MODEL_DIR), EngineOptions(encoder_threads=2)), [], E._linear
     monkeypatch.setattr(E, "_linear", lambda *a: (seen.append(blas()), linear(*a))[1])
-    monkeypatch.setattr(E, "ENCODER_THREADS", 2)
     with threadpool_limits(1, user_api="blas"):              # as a quantized decoder leaves it
         enc.embed(enc.encode_batch(["a", "b c"]))
         assert blas() == [1] * len(blas())                   # and as it stays for the decoder

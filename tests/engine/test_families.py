@@ -11,7 +11,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from turbospark_wsgi.engine import SamplingParams, Token, load_engine  # noqa: E402
+from turbospark_wsgi.engine import EngineOptions, SamplingParams, Token, load_engine  # noqa: E402
 from turbospark_wsgi.engine.loader import load_model  # noqa: E402
 
 
@@ -338,7 +338,7 @@ def test_a_file_without_a_template_gets_its_architectures(tmp_path, family, temp
     path, _, _ = family_gguf(tmp_path, family, "Q8_0")
     shipped = load_engine(path, device="cpu", max_batch=1)
     shipped.tokenizer.chat_template = None
-    engine = Engine(shipped.loaded, shipped.tokenizer, max_batch=1)
+    engine = Engine(shipped.loaded, shipped.tokenizer, EngineOptions(max_batch=1))
     assert engine.template.source == {"gemma3": GEMMA3_TEMPLATE, "chatml": CHATML_TEMPLATE}[template]
     text = engine.render_chat([{"role": "system", "content": "S"}, {"role": "user", "content": "u"}])
     assert text == {"gemma3": f"{engine.tokenizer.bos_token}<start_of_turn>user\nS\n\nu<end_of_turn>\n<start_of_turn>model\n",

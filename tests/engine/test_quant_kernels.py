@@ -114,9 +114,11 @@ def test_int8_rows_do_not_depend_on_the_rows_beside_them(qtype):
 
 _PORTABLE = """
 import numpy as np, sys
-from turbospark_wsgi.engine import kernels_cpu, kernels_q8
+from turbospark_wsgi.config import Config
+from turbospark_wsgi.engine import kernels_cpu, kernels_q8, options
 sys.path.insert(0, sys.argv[1])
 from test_quant_kernels import make
+options.apply(Config.from_env().engine_options())      # TURBOSPARK_INT8_VNNI=0, as load_model applies it
 assert not kernels_q8.VNNI
 out = []
 for qtype in ("Q4_1", "Q8_0", "Q6_K"):

@@ -15,7 +15,7 @@ _spec.loader.exec_module(_suite)
 DELAY = float(os.environ.get("TURBOSPARK_TEST_STEP_DELAY", "0.05"))
 
 
-def _load(path, device="auto", name=None, **_):
+def _load(path, options=None, name=None):
     return _suite.FakeEngine(name=name or "fake", reply="abcdefghij" * 10, max_context=256, step_delay=DELAY)
 
 

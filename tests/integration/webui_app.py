@@ -21,7 +21,7 @@ REPLY = (f"<think>{REASONING}</think>Markup from a model stays text: {PAYLOAD}\n
 STEP_DELAY = 0.01
 
 
-def _load(path, device="auto", name=None, **_):
+def _load(path, options=None, name=None):
     # NOTE(failing): a model file named failing.gguf fails mid-answer, for the page's error path
     fail_at = 80 if Path(path).stem == "failing" else None
     return _suite.FakeEngine(name=name or "fake", reply=REPLY, max_context=4096, step_delay=STEP_DELAY,

@@ -11,14 +11,17 @@ decode step (engine/scheduler.py), and up to `max_paused` more wait paused besid
 shared fairly between clients; all of them are driven from that one thread.
 """
 from .events import ConstraintError, Finish, FinishReason, Paused, Prefill, Scores, Token
-from .sampling import SamplingParams
+from .options import EngineOptions
 
-__all__ = ["Engine", "load_engine", "SamplingParams", "FinishReason", "Paused", "Prefill", "Scores", "Token",
-           "Finish", "ConstraintError"]
+__all__ = ["Engine", "EngineOptions", "load_engine", "SamplingParams", "FinishReason", "Paused", "Prefill", "Scores",
+           "Token", "Finish", "ConstraintError"]
 
 
 def __getattr__(name):  # keep `import turbospark_wsgi.engine` cheap: numpy/tokenizers load on first use
     if name in ("Engine", "load_engine"):
         from . import engine
         return getattr(engine, name)
+    if name == "SamplingParams":
+        from .sampling import SamplingParams
+        return SamplingParams
     raise AttributeError(name)

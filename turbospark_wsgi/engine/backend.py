@@ -1,10 +1,9 @@
 """Array backend: numpy on the CPU, CuPy on a usable CUDA GPU. The only module that imports cupy."""
-import os
 from dataclasses import dataclass
 
 import numpy as np
 
-DEVICES = ("auto", "cpu", "cuda")
+from .options import DEVICES
 
 
 @dataclass(slots=True)
@@ -21,12 +20,9 @@ class Backend:
 
 
 def select_backend(device=None):
-    """Picks the backend for `device` ("auto" | "cpu" | "cuda"; None or "auto" defer to
-    TURBOSPARK_DEVICE when it is set). "cuda" raises RuntimeError with the reason when unusable."""
-    env = os.environ.get("TURBOSPARK_DEVICE", "").strip().lower()
+    """Picks the backend for `device` ("auto" | "cpu" | "cuda"; None is auto: CuPy when a GPU works,
+    else numpy). "cuda" raises RuntimeError with the reason when unusable."""
     device = (device or "auto").lower()
-    if device == "auto" and env:
-        device = env
     if device not in DEVICES:
         raise ValueError(f"unknown device {device!r}; expected one of {', '.join(DEVICES)}")
     if device == "cpu":

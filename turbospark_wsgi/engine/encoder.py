@@ -19,6 +19,7 @@ import numba
 import numpy as np
 from tokenizers import Tokenizer
 
+from .options import EngineOptions
 from .safetensors_io import SafetensorsFile
 
 MODULES_FILE = "modules.json"
@@ -38,10 +39,10 @@ class EncoderError(ValueError):
     """The directory is not a BERT sentence-transformers model this encoder can run."""
 
 
-def load_encoder(path, name=None, **_ignored):
-    """An `Encoder` for the sentence-transformers directory `path` (keyword arguments the decoder
-    loader takes, such as device or max_batch, do not apply and are ignored)."""
-    return Encoder(path, name=name)
+def load_encoder(path, options=None, *, name=None):
+    """An `Encoder` for the sentence-transformers directory `path`. It runs on the CPU in its own
+    batches: of the EngineOptions only `encoder_threads` applies (device, max_batch, ... do not)."""
+    return Encoder(path, name=name, threads=(options or EngineOptions()).encoder_threads)
 
 
 class Encoder:
@@ -53,8 +54,9 @@ class Encoder:
     backend_reason = "the encoder runs on the CPU"
     embed_chunk_tokens = MAX_BATCH_TOKENS   # tokens of inputs one compute-thread call embeds
 
-    def __init__(self, path, name=None):
+    def __init__(self, path, name=None, threads=1):
         self.path = str(path)
+        self.threads = threads      # BLAS threads of the products (ENCODER_THREADS below)
         self.name = name or os.path.basename(self.path.rstrip(os.sep))
         cfg = _read_json(path, "config.json")
         if cfg.get("model_type") != "bert":
@@ -172,7 +174,7 @@ class Encoder:
         bias = np.where(mask, 0.0, np.finfo(np.float32).min).astype(np.float32)[:, None, None, :]
         H, d = self.n_heads, self.hidden // self.n_heads
         scale = np.float32(1.0 / np.sqrt(d))
-        with _blas_threads(ENCODER_THREADS):
+        with _blas_threads(self.threads):
             return self._layers(x, bias, scale, B, T, H, d)
 
     def _layers(self, x, bias, scale, B, T, H, d):
@@ -220,18 +222,13 @@ def _attention(q, k, v, scale, bias):
     return out
 
 
-def _encoder_threads():
-    value = os.environ.get("TURBOSPARK_ENCODER_THREADS", "1")
-    return int(value) if value.isdigit() and int(value) > 0 else 1
-
-
-# PERF(threads): the encoder's products (float32 GEMMs over every token of a batch) run on this many
-# BLAS threads (TURBOSPARK_ENCODER_THREADS, default 1), whatever a quantized decoder capped BLAS at
-# (kernels_cpu.limit_blas_threads; put back after each forward pass). On 2 shared cores (load 9-10,
-# batch 32, medians of 7 interleaved) 2 threads ran at 0.33-0.41x the speed of 1 for 15-token
-# inputs and 0.71-0.84x for 134-token ones: a thread that waits for a core stalls every product.
-# A machine with cores to spare for the compute thread may set more.
-ENCODER_THREADS = _encoder_threads()
+# PERF(threads): the encoder's products (float32 GEMMs over every token of a batch) run on
+# Encoder.threads BLAS threads (EngineOptions.encoder_threads, TURBOSPARK_ENCODER_THREADS, default
+# 1), whatever a quantized decoder capped BLAS at (kernels_cpu.limit_blas_threads; put back after
+# each forward pass). On 2 shared cores (load 9-10, batch 32, medians of 7 interleaved) 2 threads ran
+# at 0.33-0.41x the speed of 1 for 15-token inputs and 0.71-0.84x for 134-token ones: a thread that
+# waits for a core stalls every product. A machine with cores to spare for the compute thread may
+# set more.
 _libs = None
 
 

@@ -10,26 +10,25 @@ from .encoder import normalize
 from .events import Finish
 from .scheduler import Scheduler
 from .loader import load_model
+from .options import EngineOptions, resolve
 from .tokenizer import Tokenizer
 
-DEFAULT_PREFILL_CHUNK = 128
-DEFAULT_MAX_BATCH = 8
 # GGUF `<arch>.pooling_type` values (llama.cpp's enum) that pool a sequence into one vector
 POOLING_TYPES = {1: "mean", 2: "cls", 3: "last"}
 # PERF(embed): an input runs through the model in pieces of at most this many tokens
 EMBED_PIECE = 512
 
 
-def load_engine(path, device="auto", *, name=None, max_context=0, prefill_chunk=DEFAULT_PREFILL_CHUNK,
-                max_batch=DEFAULT_MAX_BATCH, max_paused=0):
-    """Loads a .gguf file or a Hugging Face directory; errors name the file and the problem."""
-    loaded = load_model(path, device=device)
+def load_engine(path, options=None, *, name=None, **overrides):
+    """Loads a .gguf file or a Hugging Face directory as `options` (an EngineOptions; keyword
+    `overrides` replace its fields: device="cpu", max_batch=4, ...); errors name the file and the problem."""
+    options = resolve(options, overrides)
+    loaded = load_model(path, options)
     if loaded.kind == "gguf":
         tokenizer = Tokenizer.from_gguf_metadata(loaded.metadata)
     else:
         tokenizer = Tokenizer.from_hf_dir(path)
-    return Engine(loaded, tokenizer, name=name, max_context=max_context, prefill_chunk=prefill_chunk,
-                  max_batch=max_batch, max_paused=max_paused)
+    return Engine(loaded, tokenizer, options, name=name)
 
 
 class Engine:
@@ -41,8 +40,8 @@ class Engine:
     matryoshka = False
     embed_chunk_tokens = EMBED_PIECE        # tokens of inputs one compute-thread call embeds
 
-    def __init__(self, loaded, tokenizer, *, name=None, max_context=0, prefill_chunk=DEFAULT_PREFILL_CHUNK,
-                 max_batch=DEFAULT_MAX_BATCH, max_paused=0):
+    def __init__(self, loaded, tokenizer, options=None, *, name=None):
+        options = options or EngineOptions()
         self.loaded = loaded
         self.model = loaded.model
         self.config = loaded.config
@@ -50,16 +49,16 @@ class Engine:
         self.name = name or _model_id(loaded.path)
         self.backend, self.backend_reason = loaded.backend, loaded.backend_reason
         cap = self.config.max_seq_len
-        self.max_context = min(cap, max_context) if max_context else cap
-        self.prefill_chunk = prefill_chunk
+        self.max_context = min(cap, options.max_context) if options.max_context else cap
+        self.prefill_chunk = options.prefill_chunk
         # NOTE(template): no template shipped means the architecture's own (Gemma 3), else ChatML.
         self.template = ChatTemplate(tokenizer.chat_template or ARCH_TEMPLATES.get(self.config.arch),
                                      tokenizer.bos_token, tokenizer.eos_token, tokenizer.special_tokens)
         self._constraints = ConstraintCompiler(tokenizer, self.config.vocab_size)
-        self.max_batch = max_batch
+        self.max_batch = options.max_batch
         self.pooling = _pooling(loaded)
-        self.scheduler = Scheduler(self.model, tokenizer, max_batch=max_batch, max_paused=max_paused,
-                                   max_context=self.max_context, chunk=prefill_chunk)
+        self.scheduler = Scheduler(self.model, tokenizer, max_batch=self.max_batch, max_paused=options.max_paused,
+                                   max_context=self.max_context, chunk=self.prefill_chunk)
 
     @property
     def add_bos(self):

@@ -17,17 +17,6 @@ import numpy as np
 
 from . import kernels_q8, quant
 
-# NOTE(threads): how libgomp's idle threads wait between parallel regions (set before it loads).
-# Its default spins ~300k rounds: with another busy process on a 2-core machine that made a 160 us
-# kernel take 10-20 ms. Fully passive waiting (spin 0) pays a futex wake-up at each of the ~120
-# products of a decode token, so a second thread bought nothing. A short spin keeps a thread awake
-# across the ~20 us gaps between one token's products and sleeps it soon after. SmolLM2-135M over
-# HTTP, 2 cores (tools/bench.py --vs-llama-cpp --only ours): passive with one thread per single-row
-# product decoded 44 tok/s; spin 2000 56, 5000 62, 10000 64 tok/s, while 512-token prefill (the
-# spinning threads compete with OpenBLAS's) went 458 -> 422, 426, 399 tok/s. 5000 it is.
-os.environ.setdefault("OMP_WAIT_POLICY", "ACTIVE")
-os.environ.setdefault("GOMP_SPINCOUNT", "5000")
-
 try:
     import numba
     from numba import njit, prange
@@ -39,16 +28,37 @@ AVAILABLE = numba is not None
 # GEMM up to a whole prefill chunk: SmolLM2 Q4_1 forward, 2 cores, 24/64/128 rows: 48/118/231 ms
 # against 66/144/263 ms (and 100/134/207 ms with BLAS on both cores, its spinning threads slowing
 # the kernels around it). Only longer calls (TURBOSPARK_PREFILL_CHUNK above this) use BLAS.
-GEMV_MAX_B = int(os.environ.get("TURBOSPARK_GEMV_MAX_B", "256"))   # larger batches use BLAS
+# Set by `configure` (EngineOptions.gemv_max_b, TURBOSPARK_GEMV_MAX_B).
+GEMV_MAX_B = 256               # larger batches use BLAS
 SLAB_ROWS = 1024               # rows dequantized per BLAS call in the large-batch path
 # PERF(threads): a cap on the threads of a single-row product (one stream decoding); 0 = none.
 # With passive waiting one thread was best for the layers' 50-150 us products, the 49152x576 head
-# still halving on two (hence BIG_SINGLE_ROW: products that large ignore the cap).
-SINGLE_ROW_THREADS = int(os.environ.get("TURBOSPARK_SINGLE_ROW_THREADS", "0"))
+# still halving on two (hence BIG_SINGLE_ROW: products that large ignore the cap). Set by
+# `configure` (EngineOptions.single_row_threads, TURBOSPARK_SINGLE_ROW_THREADS).
+SINGLE_ROW_THREADS = 0
 BIG_SINGLE_ROW = 8 * 2 ** 20      # weights
 # "int8": activations quantized per block of 32 and integer dot products (kernels_q8), for every row
-# count; "float32": the float kernels below, equal to the dequantize-then-matmul reference.
-ACTIVATIONS = os.environ.get("TURBOSPARK_ACTIVATIONS", "int8")
+# count; "float32": the float kernels below, equal to the dequantize-then-matmul reference. Set by
+# `configure` (EngineOptions.activations, TURBOSPARK_ACTIVATIONS).
+ACTIVATIONS = "int8"
+
+
+def configure(gemv_max_b=GEMV_MAX_B, single_row_threads=SINGLE_ROW_THREADS, activations=ACTIVATIONS):
+    """Sets the kernels' process-wide tuning, and how libgomp's threads wait (a value already in the
+    environment wins; it takes effect only before libgomp loads, i.e. before the first kernel runs).
+
+    NOTE(threads): how libgomp's idle threads wait between parallel regions. Its default spins ~300k
+    rounds: with another busy process on a 2-core machine that made a 160 us kernel take 10-20 ms.
+    Fully passive waiting (spin 0) pays a futex wake-up at each of the ~120 products of a decode
+    token, so a second thread bought nothing. A short spin keeps a thread awake across the ~20 us
+    gaps between one token's products and sleeps it soon after. SmolLM2-135M over HTTP, 2 cores
+    (tools/bench.py --vs-llama-cpp --only ours): passive with one thread per single-row product
+    decoded 44 tok/s; spin 2000 56, 5000 62, 10000 64 tok/s, while 512-token prefill (the spinning
+    threads compete with OpenBLAS's) went 458 -> 422, 426, 399 tok/s. 5000 it is."""
+    global GEMV_MAX_B, SINGLE_ROW_THREADS, ACTIVATIONS
+    GEMV_MAX_B, SINGLE_ROW_THREADS, ACTIVATIONS = int(gemv_max_b), int(single_row_threads), activations
+    os.environ.setdefault("OMP_WAIT_POLICY", "ACTIVE")
+    os.environ.setdefault("GOMP_SPINCOUNT", "5000")
 
 if AVAILABLE:
     _JIT = dict(parallel=True, fastmath=True, cache=True, nogil=True)

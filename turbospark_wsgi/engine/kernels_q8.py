@@ -18,7 +18,6 @@ four consecutive weights of one row fill one 32-bit lane, the operand shape of `
 keep both nibbles (byte j: weight j low, weight j+16 high); q8 bytes are q + 128 (unsigned), the
 128 * sum(q_a) that adds taken off again per unit.
 """
-import os
 
 import numpy as np
 
@@ -39,10 +38,8 @@ LANES = 16      # output rows per 512-bit accumulator
 
 
 def has_vnni():
-    """Whether numba compiles for a CPU with AVX-512 VNNI (and BW, for the byte masks).
-    TURBOSPARK_INT8_VNNI=0 takes the portable code (with a fresh NUMBA_CACHE_DIR: numba's cache
-    knows the CPU, not this switch)."""
-    if not AVAILABLE or os.environ.get("TURBOSPARK_INT8_VNNI", "1") == "0":
+    """Whether numba compiles for a CPU with AVX-512 VNNI (and BW, for the byte masks)."""
+    if not AVAILABLE:
         return False
     from llvmlite import binding
     if numba.config.CPU_NAME not in (None, "host"):
@@ -52,6 +49,14 @@ def has_vnni():
 
 
 VNNI = has_vnni()
+
+
+def use_vnni(on):
+    """Whether kernels compiled from now on use VNNI where the CPU has it (EngineOptions.int8_vnni,
+    TURBOSPARK_INT8_VNNI). Off takes the portable code, with a fresh NUMBA_CACHE_DIR: numba's cache
+    knows the CPU, not this switch."""
+    global VNNI
+    VNNI = bool(on) and has_vnni()
 
 
 def quantize_rows_ref(x):

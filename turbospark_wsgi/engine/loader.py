@@ -8,6 +8,7 @@ from .config import ModelConfig
 from . import kernels_cpu
 from .gguf import GGUFFile, ggml_type_name, model_config_from_gguf
 from .model import Transformer
+from .options import apply, resolve
 from .safetensors_io import SafetensorsDir, model_config_from_hf
 from .weights import layer_shapes, load_quantized_weights, load_weights, tensor_name
 
@@ -28,32 +29,34 @@ class LoadedModel:
     backend_reason: str
 
 
-def load_model(path, device="auto", weights=None):
-    """Loads a .gguf file or a Hugging Face model directory onto the backend chosen for `device`
-    ("auto" | "cpu" | "cuda"). Unsupported architectures, tensor types, missing tensors and corrupt
-    files raise ValueError naming them; a missing path raises FileNotFoundError. No message holds a
-    directory path: they reach clients. `weights` ("auto" | "quant" | "fp32", default
-    TURBOSPARK_WEIGHTS or auto): auto keeps GGUF matrices quantized on the CPU when the block
-    kernels are available, float32 otherwise."""
+def load_model(path, options=None, **overrides):
+    """Loads a .gguf file or a Hugging Face model directory as `options` (an EngineOptions; keyword
+    `overrides` replace its fields, e.g. device="cpu") say: onto the backend chosen for `device`
+    ("auto" | "cpu" | "cuda"), with `weights` "auto" | "quant" | "fp32" (auto keeps GGUF matrices
+    quantized on the CPU when the block kernels are available, float32 otherwise). Unsupported
+    architectures, tensor types, missing tensors and corrupt files raise ValueError naming them; a
+    missing path raises FileNotFoundError. No message holds a directory path: they reach clients."""
     path = os.fspath(path)
+    options = resolve(options, overrides)
     try:
-        return _load(path, device, weights)
+        return _load(path, options)
     except OSError as e:
         if e.filename is None:
             raise
         raise _without_path(e) from e
 
 
-def _load(path, device, weights):
+def _load(path, options):
     if not os.path.exists(path):
         raise FileNotFoundError(f"no model file or directory named {os.path.basename(path)!r}")
-    backend = select_backend(device)
+    apply(options)
+    backend = select_backend(options.device)
     if os.path.isdir(path):
         kind, metadata, cfg, source = "hf", *_open_hf(path)
     else:
         kind, metadata, cfg, source = "gguf", *_open_gguf(path)
     _check_shapes(cfg, source, kind)
-    if _quantized(weights, kind, backend.name):
+    if _quantized(options.weights, kind, backend.name):
         tensors = load_quantized_weights(cfg, source)
         kernels_cpu.limit_blas_threads(1)
     else:
@@ -99,9 +102,6 @@ def _without_path(e):
 
 
 def _quantized(choice, kind, backend):
-    choice = choice or os.environ.get("TURBOSPARK_WEIGHTS", "auto")
-    if choice not in ("auto", "quant", "fp32"):
-        raise ValueError(f"weights must be auto, quant or fp32, not {choice!r}")
     if choice == "fp32" or kind != "gguf" or backend != "numpy":
         return False
     from . import kernels_cpu
