@@ -279,10 +279,14 @@ def _short(exc):
 def client_key(req):
     """Who a request is for fair queueing: a digest of the API key it presents (any key, also on an
     open server), else its peer address. Never the key itself."""
-    given = api_key(req)
+    return client_key_of(api_key(req), req.remote_addr)
+
+
+def client_key_of(given, remote_addr):
+    """client_key from the presented API key (or None) and the peer address (WSGI's REMOTE_ADDR)."""
     if given:
         return "key:" + _digest(given).hex()[:16]
-    return "addr:" + (req.remote_addr or "")
+    return "addr:" + (remote_addr or "")
 
 
 def api_key(req):

@@ -11,7 +11,7 @@ wrong API key (401), a Content-Length over the limit or not a plain number (413,
 body or `Expect` (the server's reader owns those), a header the app would see joined from several.
 
     early = refusal()                                   # None: no app in this process
-    answer = early.answer("POST", "/v1/messages", [("x-api-key", "k"), ...])
+    answer = early.answer("POST", "/v1/messages", [("x-api-key", "k"), ...], peer=("10.0.0.2", 5123))
     if answer is not None:                              # an Answer: the server is full
         send(answer.status, answer.headers, answer.body); answer.log()
 """
@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 
 from .errors import Overloaded
-from .middleware import ApiKeyAuth, Cors, presented_key, request_id_from, write_access
+from .middleware import ApiKeyAuth, Cors, client_key_of, presented_key, request_id_from, write_access
 
 # Headers the app reads before it refuses (a second copy would reach it joined), and those the
 # server refuses twice (400): with any of them repeated, the normal path answers.
@@ -72,9 +72,10 @@ class EarlyRefusal:
         self._replica = config.replica_id
         self._bodies = {}                   # (route, message, code) -> the envelope's bytes
 
-    def answer(self, method, path, headers):
-        """The app's 503 for this head (`headers`: (name, value) pairs as sent), or None when the app
-        would answer something else or the server has room."""
+    def answer(self, method, path, headers, peer=None):
+        """The app's 503 for this head (`headers`: (name, value) pairs as sent, `peer` the socket's
+        peer address as gunicorn has it), or None when the app would answer something else or the
+        server has room."""
         if method != "POST":
             return None
         route = path[:-1] if path.endswith("/") else path    # NOTE(route): the app strips one too
@@ -92,11 +93,12 @@ class EarlyRefusal:
         length = seen.get("content-length")
         if length is not None and not (_NUMBER.fullmatch(length) and int(length) <= self._max_body):
             return None
-        if not self._auth.accepts(presented_key(seen.get("authorization"), seen.get("x-api-key"))):
+        given = presented_key(seen.get("authorization"), seen.get("x-api-key"))
+        if not self._auth.accepts(given):
             return None
         started = time.monotonic()
-        try:
-            self._check_room()
+        try:        # NOTE(fair-share): the client as the app names it, or a spare place looks free
+            self._check_room(client_key_of(given, remote_addr(peer)))
             return None
         except Overloaded as e:
             refused = e
@@ -115,3 +117,13 @@ class EarlyRefusal:
             out.append(("x-turbospark-replica", self._replica))
         out += self._cors.headers_for(seen.get("origin"))
         return Answer(_STATUS, out, body, rid, route, started)
+
+
+def remote_addr(peer):
+    """WSGI's REMOTE_ADDR for a peer address as gunicorn sets it: the host of a (host, port) pair,
+    a unix socket's path as given, else empty."""
+    if isinstance(peer, (tuple, list)) and peer:
+        return str(peer[0])
+    if isinstance(peer, bytes):
+        return peer.decode("utf-8", "replace")
+    return peer if isinstance(peer, str) else ""

@@ -171,7 +171,7 @@ class ThreadWorker(gthread.ThreadWorker):
         if not head:
             return False
         method, path, version, fields = head
-        answer = early.answer(method, path, fields)
+        answer = early.answer(method, path, fields, conn.client)
         if answer is None:
             return False
         end = head_end + (body_length(pending[:head_end]) or 0)
@@ -320,7 +320,7 @@ class GeventWorker(ggevent.GeventWorker):
         if entry is not None:
             entry[1] = req.unreader
         early = refusal()
-        answer = early and early.answer(req.method, req.path, req.headers)
+        answer = early and early.answer(req.method, req.path, req.headers, addr)
         if not answer:
             return super().handle_request(listener_name, req, sock, addr)
         keepalive = self.alive and self.cfg.keepalive and req.version == (1, 1) and not req.should_close()

@@ -142,3 +142,21 @@ def test_a_plain_head_is_parsed():
         "two-spaces", "unterminated", "long-field", "many-fields", "long-line"])
 def test_anything_else_is_left_to_the_servers_parser(head):
     assert parse_head(head, Limits) is None
+
+
+@pytest.mark.parametrize("headers, peer, refused", [
+    ({}, ("10.0.0.7", 5000), True),                       # the client holding every slot: full for it
+    ({}, ("10.0.0.8", 5000), False),                      # another address: a spare place is its
+    ({"x-api-key": "sk-1"}, ("10.0.0.7", 5000), False),   # the same address with a key: another client
+])
+def test_the_early_answer_asks_for_the_client_the_app_would_name(make_harness, headers, peer, refused):
+    """With spare places (TURBOSPARK_MAX_PAUSED) the server is full only for a client at its share;
+    the worker must ask for the client the app would name, not for nobody."""
+    h = make_harness(max_waiting=0, max_paused=2)
+    h.client()                                            # builds the app, which installs its refusal
+    holder = h.service.queue.enqueue(client="addr:10.0.0.7")
+    try:
+        answer = refusal().answer("POST", "/v1/completions", list(headers.items()), peer)
+    finally:
+        holder.release()
+    assert (answer is not None) == refused
