@@ -218,10 +218,11 @@ def test_streaming_through_nginx_arrives_incrementally(server, raw_stream, start
         stream.abort()
     times = [t for t, d in stream.data_events() if d != "[DONE]"]
     assert len(times) >= 6, stream.lines
-    bursts = 1 + sum(1 for a, b in zip(times, times[1:]) if b - a > 0.005)
-    # buffered delivery would hand every event over at once, at the end
+    # buffered delivery would hand every event over at once, at the end (microseconds apart); a
+    # decode step of the small model takes a few milliseconds
+    bursts = 1 + sum(1 for a, b in zip(times, times[1:]) if b - a > 0.001)
     assert bursts >= len(times) // 2, f"{bursts} bursts for {len(times)} events: {times}"
-    assert times[-1] - times[0] > 0.1
+    assert times[-1] - times[0] > 0.03
 
 
 def test_load_test_tool_runs_bounded_against_the_server(server):
