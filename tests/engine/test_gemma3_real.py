@@ -20,6 +20,12 @@ _spec = importlib.util.spec_from_file_location("batching_gemma3", Path(__file__)
 batching = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(batching)
 
+_spec = importlib.util.spec_from_file_location("parity_hf_gemma3", Path(__file__).with_name("test_parity_hf.py"))
+parity = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(parity)
+# parity is the float32 kernels' contract (the float32 reference); int8 activations have their own test
+_float32_activations = parity._float32_activations
+
 GEMMA3 = tiny.MODELS_DIR / "gemma-3-270m-q4_k_m.gguf"
 STEPS = 32
 TOL = 1e-3
