@@ -9,12 +9,13 @@ import dataclasses
 import logging
 import os
 import threading
+import time
 from dataclasses import dataclass, field
 
 from . import compute, metrics
 from .cancel import CancelToken
 from .engine import SamplingParams
-from .errors import ApiError, ContextLengthExceeded, InvalidRequest
+from .errors import ApiError, ContextLengthExceeded, InvalidRequest, Overloaded
 from .generation import Generation, PromptBatch
 from .limits import Limits
 from .queue import LockQueue
@@ -251,12 +252,22 @@ class Service:
             return None
         # NOTE(grammar): compiled aside, never on the compute thread (a client's schema may take
         # seconds), within TURBOSPARK_GRAMMAR_TIMEOUT; a compile past it runs on to its end aside.
-        job = compute.aside(engine.compile_grammar, plan.grammar)
+        # NOTE(aside-busy): the limit counts the compile's own time. Other clients' compiles that ran
+        # past their limit still hold the pool; a grammar that never got a compiler in time is the
+        # server's 503, not this client's 400.
+        begun = []
+        job = compute.aside(_timed, begun, engine.compile_grammar, plan.grammar)
         limit = self.config.grammar_timeout
         try:
-            return job.result(timeout=limit)
+            try:
+                return job.result(timeout=limit)
+            except TimeoutError:
+                if not begun and job.cancel():      # not started: it never will
+                    raise Overloaded("every grammar compiler is busy with other requests' schemas; retry",
+                                     retry_after=max(1, round(limit))) from None
+                waited = time.monotonic() - begun[0] if begun else 0.0
+                return job.result(timeout=max(0.0, limit - waited))
         except TimeoutError:
-            job.cancel()                        # not started yet (the pool busy): it never starts
             raise InvalidRequest(f"'{plan.grammar_param}' took longer than {limit:g} s to compile into a grammar; "
                                  f"simplify the schema", param=plan.grammar_param) from None
         except ValueError as e:
@@ -435,3 +446,9 @@ def _logprobs_wanted(req):
     if req.logprobs is not None:
         return req.logprobs
     return 0 if (req.best_of or 0) > req.n else None      # best_of ranks by cumulative logprob
+
+
+def _timed(begun, fn, *args):
+    """fn(*args), noting in `begun` when it started."""
+    begun.append(time.monotonic())
+    return fn(*args)

@@ -29,14 +29,14 @@ CHAT = {"model": "fake", "messages": [{"role": "user", "content": "Hi"}], "max_t
 
 
 class SlowCompile:
-    """compile_grammar that takes `seconds`; `started` is set as it begins."""
+    """compile_grammar that takes `seconds` (or until `done` is set); `started` is set as it begins."""
 
     def __init__(self, seconds):
-        self.seconds, self.started = seconds, threading.Event()
+        self.seconds, self.started, self.done = seconds, threading.Event(), threading.Event()
 
     def __call__(self, grammar):
         self.started.set()
-        time.sleep(self.seconds)
+        self.done.wait(self.seconds)
         raise AssertionError("a compile past the limit was waited for")
 
 
@@ -64,6 +64,7 @@ def test_a_slow_compile_is_a_400_and_never_holds_the_compute_thread(make_harness
     assert resp.json["error"]["param"] == "response_format"
     assert "took longer than 0.3 s to compile" in resp.json["error"]["message"]
     assert out["seconds"] < LIMIT + 1.0
+    slow.done.set()                 # its compiler back to the pool for the next tests
 
 
 def test_a_compile_within_the_limit_is_used(make_harness):
@@ -118,3 +119,22 @@ def test_a_schema_that_fails_a_few_tokens_in_is_the_clients_400(tmp_path, stream
     assert error["type"] == "invalid_request_error" and error["param"] == "response_format"
     assert "cannot be enforced" in error["message"]
     assert not [r for r in caplog.records if r.levelname == "ERROR" or r.exc_info], "a traceback was logged"
+
+
+def test_a_grammar_that_never_got_a_compiler_is_the_servers_503_not_the_clients_400(make_harness):
+    """Compiles past their limit run on aside; while they fill the pool, a newcomer's schema is not
+    its fault: 503 with Retry-After, and served once a compiler is free."""
+    h = make_harness(grammar_timeout=LIMIT)
+    client = h.client()
+    release = threading.Event()
+    held = [compute.aside(release.wait, 10) for _ in range(compute.ASIDE_THREADS)]
+    body = dict(CHAT, response_format=schema_format({"type": "object"}))
+    try:
+        resp = client.post_json("/v1/chat/completions", body, expect_errors=True)
+    finally:
+        release.set()
+    assert resp.status_int == 503, resp.body
+    assert resp.headers["Retry-After"] and resp.json["error"]["code"] == "server_overloaded"
+    for job in held:
+        job.result(5)
+    assert client.post_json("/v1/chat/completions", body).status_int == 200
