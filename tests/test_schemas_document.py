@@ -150,3 +150,26 @@ def test_annotation_siblings_and_many_separate_patterns_are_fine():
     props = {f"k{i}": {"type": "string", "pattern": f"[a-z]{{{i}}}"} for i in range(40)}
     check_schema({"type": "object", "properties": {"a": {"allOf": [{"$ref": "#/$defs/x"}], "description": "d"}},
                   "$defs": {"x": {"type": "object", "properties": props}}}, "p")
+
+
+@pytest.mark.parametrize("schema, where", [
+    ({"type": "integer", "minimum": -1e308, "maximum": -1e308}, "'#'"),
+    ({"type": "integer", "exclusiveMaximum": -2 ** 63 + 1}, "'#'"),
+    ({"type": "integer", "maximum": -10 ** 400}, "'#'"),
+    ({"allOf": [{"type": "integer"}, {"maximum": -2 ** 63}]}, "'#/allOf/1'"),
+    ({"type": "object", "properties": {"a": {"$ref": "#/$defs/n"}}, "$defs": {"n": {"maximum": -1e300}}}, "'#/$defs/n'"),
+])
+def test_an_upper_bound_at_the_64_bit_floor_is_refused(schema, where):
+    err = refused(check_schema, schema, "p")
+    assert err.param == "p" and "must be above -9223372036854775808" in err.message and where in err.message
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "integer", "minimum": -1e308, "maximum": -9e18},
+    {"type": "integer", "maximum": 1e308},
+    {"type": "number", "minimum": -1e308},
+    {"type": "object", "properties": {"maximum": {"type": "integer"}}},
+    {"enum": [{"maximum": -1e308}]},
+])
+def test_other_extreme_bounds_pass(schema):
+    check_schema(schema, "p")

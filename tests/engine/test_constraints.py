@@ -136,3 +136,50 @@ def test_added_text_tokens_are_text_to_the_grammar():
     assert spelled.is_done()
     both = ConstraintCompiler(tok, len(tokens)).compile({"grammars": [{"lark_grammar": 'start: "<|im_end|>" | "b"'}]})
     assert 0 not in np.nonzero(both.start().allowed_mask())[0].tolist()
+
+
+EXTREME_BOUNDS = [0, -1, 2 ** 31, 2 ** 63, 2 ** 64, -2 ** 63 + 1, -2 ** 63, -2 ** 63 - 1, 10 ** 30, 1e308, -1e308, -0.0]
+SWEEP = r"""
+import itertools, json, sys
+from turbospark_wsgi.engine.constraints import ConstraintCompiler
+from turbospark_wsgi.engine.tokenizer import Tokenizer
+from turbospark_wsgi.errors import InvalidRequest
+from turbospark_wsgi.schemas.json_schema import check_schema
+tokens = list('0123456789-.e+"{}[],: ') + ["<eos>"]
+tok = Tokenizer.from_gguf_metadata({"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "qwen2",
+                                    "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.merges": [],
+                                    "tokenizer.ggml.token_type": [1] * (len(tokens) - 1) + [3],
+                                    "tokenizer.ggml.eos_token_id": len(tokens) - 1})
+compiler, counts = ConstraintCompiler(tok, len(tokens)), {"refused": 0, "failed": 0, "compiled": 0}
+for lo, hi, lo_key, hi_key, form in itertools.product(*json.loads(sys.argv[1])):
+    leaf = {lo_key: lo, hi_key: hi}
+    schema = {"plain": {"type": "integer", **leaf}, "nullable": {"type": ["integer", "null"], **leaf},
+              "allOf": {"allOf": [{"type": "integer"}, leaf]},
+              "nested": {"type": "object", "properties": {"a": {"$ref": "#/$defs/d"}},
+                         "$defs": {"d": {"type": "array", "items": {"type": "integer", **leaf}}}}}[form]
+    try:
+        check_schema(schema, "p")
+    except InvalidRequest:
+        counts["refused"] += 1
+        continue
+    try:
+        compiler.compile({"grammars": [{"json_schema": schema}]})
+        counts["compiled"] += 1
+    except ValueError:
+        counts["failed"] += 1
+print(json.dumps(counts))
+"""
+
+
+def test_no_integer_bounds_crash_the_grammar_compiler():
+    """Every pair of extreme integer bounds, as a checked client schema would reach the compiler: an
+    upper bound that saturates to -2**63 overflows llguidance's native stack (a segfault, not an
+    exception), so the sweep runs in a child process that must exit cleanly."""
+    import subprocess
+    import sys
+    axes = [EXTREME_BOUNDS, EXTREME_BOUNDS, ["minimum", "exclusiveMinimum"], ["maximum", "exclusiveMaximum"],
+            ["plain", "nullable", "allOf", "nested"]]
+    done = subprocess.run([sys.executable, "-c", SWEEP, json.dumps(axes)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    counts = json.loads(done.stdout)
+    assert counts["refused"] and counts["compiled"] and counts["failed"], counts

@@ -11,7 +11,8 @@ grammar compiler would accept but could never generate, refused here with the sc
   (every branch), required properties or the items of a non-empty array ({"$ref": "#"},
   definitions referring to each other, an object whose required property is itself). No finite
   JSON value matches such a schema, and a constraint built from it fails in the middle of
-  generation. Recursion through an optional property or item (a tree, a linked list) is fine.
+  generation. Recursion through an optional property or item (a tree, a linked list) is fine;
+- no `maximum` or `exclusiveMaximum` may be at or below -2**63 (MIN_INT_BOUND) as a double.
 """
 from urllib.parse import unquote
 
@@ -30,6 +31,13 @@ MAX_DEPTH = 128
 # their `pattern`s, and its time doubles with each one past ~15 (20: seconds; 24: minutes), all on
 # the compute thread. Counted over everything under a merge, which is generous.
 MAX_MERGED_PATTERNS = 8
+# NOTE(int-bound): the grammar compiler reads an integer's bounds as 64-bit integers, saturating;
+# an upper bound that lands on -2**63 sends its range-to-regex step into endless recursion, and the
+# stack overflow kills the process with every stream on it ({"type": "integer", "minimum": -1e308,
+# "maximum": -1e308}; every llguidance from 1.0.0 to 1.9.1, whatever the thread's stack size).
+# Checked on every subschema, typed or not: allOf and $ref carry a bound to an integer elsewhere.
+MIN_INT_BOUND = -2 ** 63
+_UPPER_BOUNDS = ("maximum", "exclusiveMaximum")
 _ANNOTATIONS = {"title", "description", "default", "examples", "$comment", "deprecated", "readOnly", "writeOnly",
                 "$id", "$schema", "$anchor", "x-guidance"}
 
@@ -47,10 +55,24 @@ def check_schema(schema, param):
     if merged > MAX_MERGED_PATTERNS:
         fail(param, f"'{param}' intersects {merged} 'pattern's through allOf or $ref siblings; the limit is "
                     f"{MAX_MERGED_PATTERNS}.")
+    for node, pointer, _, _ in nodes.values():
+        for key in _UPPER_BOUNDS:
+            bound = node.get(key)
+            if isinstance(bound, (int, float)) and not isinstance(bound, bool) and _double(bound) <= MIN_INT_BOUND:
+                fail(param, f"'{param}' has '{key}' {_double(bound):g} at '{pointer[:200]}'; an upper bound must be above "
+                            f"{MIN_INT_BOUND}.")
     stuck = _ungrounded(nodes)
     if stuck is not None:
         fail(param, f"'{param}' can never be satisfied: through $ref, '{stuck[:200]}' requires itself "
                     f"with no way to end, so no finite JSON value matches it.")
+
+
+def _double(number):
+    """The number as the compiler reads it: a double (-2**63 + 1 is -2**63 there)."""
+    try:
+        return float(number)
+    except OverflowError:
+        return float("-inf") if number < 0 else float("inf")
 
 
 def _reachable(root, param):
