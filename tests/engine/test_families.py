@@ -369,13 +369,7 @@ def test_qwen2_gguf_matches_llama_cpp(tmp_path):
     path = tmp_path / "tiny-qwen2-vocab.gguf"
     w = gguf.GGUFWriter(str(path), "qwen2")
     tiny.add_gguf_hparams(w, cfg, "tiny-qwen2")
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen2")
-    w.add_token_list(meta["tokenizer.ggml.tokens"])
-    w.add_token_types(meta["tokenizer.ggml.token_type"])
-    w.add_token_merges(meta["tokenizer.ggml.merges"])
-    w.add_eos_token_id(meta["tokenizer.ggml.eos_token_id"])
-    w.add_add_bos_token(False)
+    toks.add_qwen_tokenizer(w, meta)
     for name, value in family_state("qwen2", cfg).items():
         tiny.store_gguf_tensor(w, gguf_name(name, "qwen2"), value, "F32")
     tiny.finish_gguf(w)

@@ -326,6 +326,17 @@ QWEN_TRICKY = [
 QWEN_PARTS = FUZZ_PARTS + ["e\u0301", "A\u030a", "ﬁ", "'S", "'LL", "한", "<think>", "</tool_call>"]
 
 
+def add_qwen_tokenizer(writer, meta):
+    """Writes qwen_meta()'s tokenizer into a gguf.GGUFWriter, as a Qwen GGUF file carries it."""
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("qwen2")
+    writer.add_token_list(meta["tokenizer.ggml.tokens"])
+    writer.add_token_types(meta["tokenizer.ggml.token_type"])
+    writer.add_token_merges(meta["tokenizer.ggml.merges"])
+    writer.add_eos_token_id(meta["tokenizer.ggml.eos_token_id"])
+    writer.add_add_bos_token(False)
+
+
 def qwen_meta():
     """GGUF tokenizer metadata shaped like Qwen2.5's: a byte-level BPE trained here with Qwen's split,
     its control tokens and the not-special added tokens (`<think>`, `<tool_call>`) after the merges."""
@@ -402,13 +413,7 @@ def test_qwen_gguf_file_matches_transformers_gguf_tokenizer_on_nfc_text(qwen_pai
     import gguf
     ours, hf, meta = qwen_pair
     w = gguf.GGUFWriter(str(tmp_path / "qwen-vocab.gguf"), "qwen2")
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen2")
-    w.add_token_list(meta["tokenizer.ggml.tokens"])
-    w.add_token_types(meta["tokenizer.ggml.token_type"])
-    w.add_token_merges(meta["tokenizer.ggml.merges"])
-    w.add_eos_token_id(meta["tokenizer.ggml.eos_token_id"])
-    w.add_add_bos_token(False)
+    add_qwen_tokenizer(w, meta)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
