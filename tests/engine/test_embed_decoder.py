@@ -3,7 +3,7 @@ without touching them."""
 import numpy as np
 import pytest
 
-from turbospark_wsgi.engine import Finish, SamplingParams, Token, engine as E, load_engine
+from turbospark_wsgi.engine import Finish, SamplingParams, Token, engine as E, kernels_cpu, load_engine
 
 
 @pytest.fixture(params=["stories", "tiny_q8"])
@@ -22,7 +22,8 @@ def test_mean_of_final_normed_hidden_states_at_unit_length(engine):
     got = engine.embed(seqs)
     assert got.shape == (4, engine.config.dim) and got.dtype == np.float32 and engine.pooling == "mean"
     for row, ids in zip(got, seqs):
-        hidden = engine.model.forward(ids, engine.model.new_cache(), logits="hidden")
+        with kernels_cpu.activations_as("float32"):
+            hidden = engine.model.forward(ids, engine.model.new_cache(), logits="hidden")
         assert hidden.shape == (len(ids), engine.config.dim)
         want = hidden.mean(axis=0)
         np.testing.assert_allclose(row, want / np.linalg.norm(want), atol=1e-5)
@@ -70,5 +71,17 @@ def test_pooling_follows_the_ggufs_own_key(meta, mode):
 def test_last_token_pooling(engine):
     engine.pooling = "last"
     ids = texts_ids(engine)[0]
-    hidden = engine.model.forward(ids, engine.model.new_cache(), logits="hidden")
+    with kernels_cpu.activations_as("float32"):
+        hidden = engine.model.forward(ids, engine.model.new_cache(), logits="hidden")
     np.testing.assert_allclose(engine.embed([ids])[0], hidden[-1] / np.linalg.norm(hidden[-1]), atol=1e-5)
+
+
+def test_embeddings_use_the_float32_kernels_whatever_generation_uses(engine, monkeypatch):
+    """int8 activations are generation's speed/precision trade; an embedding is compared by cosine
+    and ranking, so it runs the float32 kernels (the transformers-equal path) and is the same either way."""
+    seqs = texts_ids(engine)
+    monkeypatch.setattr(kernels_cpu, "ACTIVATIONS", "float32")
+    exact = engine.embed(seqs)
+    monkeypatch.setattr(kernels_cpu, "ACTIVATIONS", "int8")
+    assert np.array_equal(engine.embed(seqs), exact)
+    assert kernels_cpu.ACTIVATIONS == "int8", "embedding left generation's setting changed"

@@ -10,6 +10,7 @@ summation order. By default (ACTIVATIONS "int8") every product of any row count 
 integer kernels of kernels_q8 instead. `attend` is causal attention computed row by row, for
 prompts and decode steps alike.
 """
+import contextlib
 import os
 import threading
 
@@ -41,6 +42,18 @@ BIG_SINGLE_ROW = 8 * 2 ** 20      # weights
 # count; "float32": the float kernels below, equal to the dequantize-then-matmul reference. Set by
 # `configure` (EngineOptions.activations, TURBOSPARK_ACTIVATIONS).
 ACTIVATIONS = "int8"
+
+
+@contextlib.contextmanager
+def activations_as(kind):
+    """ACTIVATIONS set to `kind` inside the block (on the compute thread, which alone runs products
+    once a model is loaded), then back to what it was."""
+    global ACTIVATIONS
+    before, ACTIVATIONS = ACTIVATIONS, kind
+    try:
+        yield
+    finally:
+        ACTIVATIONS = before
 
 
 def configure(gemv_max_b=GEMV_MAX_B, single_row_threads=SINGLE_ROW_THREADS, activations=ACTIVATIONS):
