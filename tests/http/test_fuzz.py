@@ -5,7 +5,9 @@ when present, else a tiny random Llama), deterministic (derandomized, no example
     Schema that openapi_spec.py uses; hypothesis-jsonschema no longer runs on current hypothesis), then mutated with
     extreme numbers, lone surrogates, deep nesting, wrong types, huge strings, special-token and
     template text, junk grammars and self-referring tool schemas;
-(b) raw bytes: arbitrary binary, and valid bodies cut short, spliced and escaped.
+(b) raw bytes: arbitrary binary, and valid bodies cut short, spliced and escaped;
+(c) JSON Schemas built from hostile parts (extreme bounds, bad patterns and formats, self-references,
+    combinators, hundreds of optional properties) as response_format or a forced tool's parameters.
 
 Every answer is below 500, every error is in the route family's envelope with a string message,
 no stream carries a server error, nothing is logged at ERROR, and a normal request still works.
@@ -289,4 +291,62 @@ def test_raw_byte_bodies(app):
     run()
     print(f"raw fuzz: {len(statuses)} cases, {sum(s < 400 for s in statuses)} accepted")
     assert len(statuses) >= 400
+    still_answers(app)
+
+
+# ---- (c) generated JSON Schemas as grammars ---------------------------------------------------------
+
+NAMES = st.text(alphabet='abz_é"\\ \n', max_size=5)
+LEAVES = st.one_of(
+    st.sampled_from([{"type": t} for t in ("string", "integer", "number", "boolean", "null")] + [{}]),
+    st.builds(lambda a, b: {"type": "integer", "minimum": a, "maximum": b}, EXTREME, EXTREME),
+    st.builds(lambda a, b: {"type": "number", "exclusiveMinimum": a, "maximum": b}, EXTREME, EXTREME),
+    st.builds(lambda a, b: {"type": "string", "minLength": a, "maxLength": b}, st.integers(0, 300), st.integers(0, 300)),
+    st.builds(lambda p: {"type": "string", "pattern": p},
+              st.sampled_from(["^a+$", "[0-9]{3}", "(a|b)*c", "^$", "a{1000}", "(?=a)", "\\p{L}+", "[z-a]", "("])),
+    st.builds(lambda f: {"type": "string", "format": f}, st.sampled_from(["date-time", "email", "uuid", "uri", "bogus"])),
+    st.builds(lambda vs: {"enum": vs}, st.lists(st.one_of(st.text(max_size=4), st.integers(), st.none()), max_size=5)),
+    # NOTE(rows): hundreds of optional properties compile, then fail a few tokens in (llguidance's row limit)
+    st.builds(lambda n: {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(n)}},
+              st.integers(600, 800)),
+)
+
+
+def schema_nodes(children):
+    return st.one_of(
+        st.builds(lambda props, req, extra: {"type": "object", "properties": props, "additionalProperties": extra,
+                                             "required": sorted(props) if req else []},
+                  st.dictionaries(NAMES, children, max_size=4), st.booleans(), st.one_of(st.booleans(), children)),
+        st.builds(lambda item, a, b: {"type": "array", "items": item, "minItems": a, "maxItems": b},
+                  children, st.integers(0, 4), st.integers(0, 4)),
+        st.builds(lambda key, xs: {key: xs}, st.sampled_from(["anyOf", "oneOf", "allOf"]),
+                  st.lists(children, min_size=1, max_size=3)),
+        st.builds(lambda x, t: dict(x, type=t), children, st.sampled_from([["string", "null"], "object", "array"])),
+        st.builds(lambda x: {"$defs": {"d": x}, "$ref": "#/$defs/d"}, children),
+        st.builds(lambda x: {"type": "object", "properties": {"next": {"$ref": "#"}, "v": x}}, children),
+        st.builds(lambda x: {"not": x}, children),
+    )
+
+
+JSON_SCHEMAS = st.recursive(LEAVES, schema_nodes, max_leaves=10)
+
+
+def test_generated_schemas_as_grammars(app):
+    """(c): 80 schemas, each a response_format or a forced tool's parameters, whole or streamed."""
+    statuses = []
+
+    @settings(FUZZ, max_examples=80)
+    @given(JSON_SCHEMAS, st.sampled_from(["response_format", "tool"]), st.booleans())
+    def run(schema, where, stream):
+        body = {"messages": USER, "max_tokens": 12, "stream": stream, "temperature": 1.0, "seed": 1}
+        if where == "tool":
+            body.update(tools=[{"type": "function", "function": {"name": "f", "parameters": schema}}],
+                        tool_choice="required")
+        else:
+            body["response_format"] = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+        statuses.append(check(app, "/v1/chat/completions", json.dumps(body).encode()))
+
+    run()
+    print(f"schema-grammar fuzz: {len(statuses)} cases, {sum(s < 400 for s in statuses)} accepted")
+    assert any(s < 400 for s in statuses)
     still_answers(app)
