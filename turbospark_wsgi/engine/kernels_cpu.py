@@ -243,8 +243,12 @@ class QLinear:
         if ACTIVATIONS == "int8" and kernels_q8.AVAILABLE:
             # the int8 kernels' layout, built at load rather than by a first request (~1 s for SmolLM2)
             for p in w.parts:
-                if p.tile % kernels_q8.LANES == 0:
+                if kernels_q8.fits(p):
                     kernels_q8.prepare(p)
+        p = w.parts[0]
+        # the part int8 products go to straight (one part, no padding rows), fixed for the weight
+        self._int8_part = p if kernels_q8.AVAILABLE and len(w.parts) == 1 and \
+            p.qs.shape[0] * p.tile == p.n and kernels_q8.fits(p) else None
         self.nbytes = w.nbytes
 
     def __rmatmul__(self, x):
@@ -262,9 +266,8 @@ class QLinear:
         if not AVAILABLE:
             return quant.matmul_ref(x.reshape(-1, self.w.k), self.w).reshape(*lead, self.w.n)
         x = x.reshape(-1, self.w.k)
-        p = self.w.parts[0]
-        if ACTIVATIONS == "int8" and kernels_q8.AVAILABLE and len(self.w.parts) == 1 and \
-                p.qs.shape[0] * p.tile == p.n and p.tile % kernels_q8.LANES == 0:
+        p = self._int8_part
+        if p is not None and ACTIVATIONS == "int8":
             # PERF(dispatch): the common case (one part, no padding rows) straight to its kernel,
             # what qmatmul would do with a few Python steps less for each of a token's ~120 products
             x, y = np.ascontiguousarray(x), np.empty((x.shape[0], p.n), np.float32)
@@ -319,7 +322,7 @@ def _threads_for(rows, w, threads):
 def _gemv(x, p, y, int8=False):
     direct = p.qs.shape[0] * p.tile == p.n and y.flags.c_contiguous
     buf = y if direct else np.empty((x.shape[0], p.qs.shape[0] * p.tile), np.float32)
-    if int8 and p.tile % kernels_q8.LANES == 0:
+    if int8 and kernels_q8.fits(p):
         kernels_q8.matmul(x, p, buf)
     # NOTE(exact-batching): a sequence must get the same numbers alone or in a batch, and a prompt
     # position the same in a prefill of any cut or a decode step, so each layout has kernels whose

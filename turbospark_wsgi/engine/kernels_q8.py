@@ -95,6 +95,11 @@ def matmul_ref(x, w):
     return np.concatenate(out, axis=1).astype(np.float32)
 
 
+def fits(p):
+    """Whether the int8 kernels take part `p`: its tile fills whole accumulators."""
+    return p.tile % LANES == 0
+
+
 def prepare(p):
     """The int8 kernels' layout of a QWeight (kept on it as `p.qv`): uint8
     [T, units, R/16, quads, 16, 4] (see the module docstring)."""

@@ -250,7 +250,7 @@ def load_quantized_weights(cfg, source):
                 wq = wq.map_rows(lambda a: unpermute_rotary_rows(a, cfg.n_head))
                 wk = wk.map_rows(lambda a: unpermute_rotary_rows(a, cfg.n_kv_head))
             if not cfg.qk_norm:
-                wq = wq.scaled(1.0 / np.sqrt(cfg.head_dim))
+                wq = wq.scaled(query_scale(cfg))
         fp = _layer(cfg, source, "gguf", i, np) if None in (wq, wk, wv) else None
         bqkv, q_norm, k_norm = attention_extras(cfg, source, "gguf", i, np)
         return LayerWeights(
