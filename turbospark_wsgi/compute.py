@@ -18,10 +18,6 @@ import os
 import sys
 import threading
 
-_executor = None
-_pid = None
-_aside = None
-_aside_pid = None
 ASIDE_THREADS = 2           # NOTE(aside): a job past its caller's limit runs on; at most this many at once
 # NOTE(fork): held only for the few microseconds it takes to build the executor, never across a
 # cooperative switch, so a lock made before gevent patches (preload_app) cannot deadlock the hub.
@@ -53,12 +49,7 @@ def run(fn, *args, **kwargs):
 def aside(fn, *args):
     """Runs `fn(*args)` on the aside pool, below the compute thread's priority; returns its future
     (`result(timeout)` raises the builtin TimeoutError, and the job runs on to its end)."""
-    global _aside, _aside_pid
-    if _aside is None or _aside_pid != os.getpid():
-        with _guard:
-            if _aside is None or _aside_pid != os.getpid():
-                _aside, _aside_pid = _make_executor(ASIDE_THREADS, "turbospark-aside"), os.getpid()
-    return _aside.submit(_niced, fn, *args)
+    return _aside.get().submit(_niced, fn, *args)
 
 
 _lowered = set()            # native ids of the aside threads already at their priority
@@ -74,16 +65,33 @@ def _niced(fn, *args):
 
 def executor():
     """The process-wide single-thread executor, created on first use after fork."""
-    global _executor, _pid
-    if _executor is not None and _pid == os.getpid():
-        return _executor
-    with _guard:
-        if _executor is None or _pid != os.getpid():
-            _executor, _pid = _make_executor(), os.getpid()
-            # NOTE(priority): the first job, so every engine call runs after it, and the threads OpenMP
-            # starts for the kernels (on their first parallel region) inherit the thread's priority.
-            _executor.submit(lower_priority, _nice)
-    return _executor
+    return _compute.get()
+
+
+class _PerProcess:
+    """An executor made by `make` on first use in each process (a forked child makes its own)."""
+
+    def __init__(self, make):
+        self._make, self._pool, self._pid = make, None, None
+
+    def get(self):
+        if self._pool is None or self._pid != os.getpid():
+            with _guard:
+                if self._pool is None or self._pid != os.getpid():
+                    self._pool, self._pid = self._make(), os.getpid()
+        return self._pool
+
+
+def _make_compute():
+    pool = _make_executor()
+    # NOTE(priority): the first job, so every engine call runs after it, and the threads OpenMP
+    # starts for the kernels (on their first parallel region) inherit the thread's priority.
+    pool.submit(lower_priority, _nice)
+    return pool
+
+
+_compute = _PerProcess(_make_compute)
+_aside = _PerProcess(lambda: _make_executor(ASIDE_THREADS, "turbospark-aside"))
 
 
 def gevent_patched():

@@ -176,13 +176,12 @@ def read_key_file(path):
 
 
 _ENV_NAMES = {"models_dir": "MODELS"}
-_INTS = {"max_waiting", "max_body", "max_context", "port", "threads", "prefill_chunk", "max_batch", "max_paused",
-         "model_memory", "max_prompt_tokens", "max_prompts", "max_embedding_inputs", "max_tokens_cap",
-         "responses_store_size", "responses_store_bytes", "gemv_max_b", "single_row_threads", "compute_nice",
-         "encoder_threads"}
-_FLOATS = {"queue_timeout", "keepalive", "max_generation_seconds", "graceful_timeout", "header_timeout",
-           "body_timeout", "grammar_timeout", "responses_store_ttl"}
 _LISTS = {"api_keys", "cors_origins"}
+
+
+def _typed(kind):
+    """The Config fields whose default is of type `kind` (a bool is not an int here)."""
+    return frozenset(f.name for f in fields(Config) if type(f.default) is kind)
 
 
 def _parse(name, raw):
@@ -190,7 +189,7 @@ def _parse(name, raw):
         return os.path.expanduser(raw)
     if name in _LISTS:
         return tuple(k.strip() for k in raw.split(",") if k.strip())
-    if name in ("load_default", "web_ui", "int8_vnni"):
+    if name in _BOOLS:
         return _parse_bool(name, raw)
     if name in _INTS:
         return _parse_number(name, raw, int)
@@ -234,3 +233,4 @@ def env_name(name):
 
 
 _DEFAULTS = {f.name: f.default for f in fields(Config)}
+_INTS, _FLOATS, _BOOLS = _typed(int), _typed(float), _typed(bool)

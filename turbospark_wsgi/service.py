@@ -198,7 +198,7 @@ class Service:
     def _prompt_ids(self, engine, req, plan=None):
         if req.prompt_ids is not None:
             ids = list(req.prompt_ids)
-            _check_ids(engine, ids, req.prompt_param)
+            _check_ids(engine.config.vocab_size, ids, req.prompt_param)
         elif plan is not None:
             try:
                 # NOTE(kwargs): one dict, never **-spread: a key named like a parameter is the engine's to refuse.
@@ -322,7 +322,7 @@ class Service:
     def detokenize(self, model, ids):
         """The text of token ids (special tokens kept), checked against the vocabulary."""
         engine = _generating(self.registry.resolve(model), model or self.default_model)
-        _check_ids(engine, ids, "tokens")
+        _check_ids(engine.config.vocab_size, ids, "tokens")
         return engine.decode(list(ids), skip_special=False)
 
     def _check_without_model(self, req):
@@ -412,10 +412,7 @@ def _embedding_ids(engine, req, keep=None):
         if req.ids is not None:
             if not ids:
                 raise InvalidRequest(f"{where} holds no token ids", param="input")
-            bad = next((t for t in ids if not 0 <= t < engine.vocab_size), None)
-            if bad is not None:
-                raise InvalidRequest(f"{where}: token id {bad} is outside the vocabulary "
-                                     f"(0..{engine.vocab_size - 1})", param="input")
+            _check_ids(engine.vocab_size, ids, "input", where)
         if len(ids) > engine.max_tokens:
             raise InvalidRequest(f"{where} has {len(ids)} tokens; this model embeds at most {engine.max_tokens} "
                                  f"tokens per input (truncate_prompt_tokens keeps the last N)", param="input",
@@ -435,11 +432,12 @@ def _one_prompt(req, i, prompt):
                                prompt_ids=None if text else prompt, prompt_param=f"prompt[{i}]")
 
 
-def _check_ids(engine, ids, param):
-    vocab = engine.config.vocab_size
+def _check_ids(vocab, ids, param, where=""):
+    """InvalidRequest naming `param` (and `where`, the input it is in) for an id outside 0..vocab-1."""
     bad = next((t for t in ids if not 0 <= t < vocab), None)
     if bad is not None:
-        raise InvalidRequest(f"token id {bad} is outside the vocabulary (0..{vocab - 1})", param=param)
+        raise InvalidRequest(f"{where + ': ' if where else ''}token id {bad} is outside the vocabulary "
+                             f"(0..{vocab - 1})", param=param)
 
 
 def _logprobs_wanted(req):
