@@ -3,7 +3,7 @@ and a daily token quota for each API key, one default for every key not listed (
 without keys, for each client address), and a concurrency cap per model.
 
     limits = Limits.from_config(config)         # ConfigError for a bad file
-    permit = limits.admit(api_key, address)     # RateLimited (429) when this client is over a limit
+    permit = limits.admit(digest, address)      # RateLimited (429) when this client is over a limit
     events = permit.call(service.run, ...)      # refused later (4xx, full queue): the request is given back
     permit.meter(events)                        # prompt tokens now, completion tokens as they come;
                                                 # settled, and the slot freed, when events close
@@ -19,7 +19,6 @@ has paid that back. The daily quota is a count per UTC day.
 Counters live in this process (limits per replica) or, with TURBOSPARK_LIMITS_REDIS, in Redis
 (limits_redis.py), shared by every replica. `reload_all()` re-reads every file (SIGHUP).
 """
-import hashlib
 import json
 import logging
 import math
@@ -200,25 +199,26 @@ class Limits:
         log.info("limits reloaded from %s: %d keys, %d model caps", self.path, len(self.table.keys),
                  len(self.table.models))
 
-    def subject(self, api_key, address):
-        """Whose limits apply: a listed key's; else the default, per key on a server with keys and
+    def subject(self, digest, address):
+        """Whose limits apply to a client presenting a key with sha256 `digest` (bytes; None: no
+        key) from `address`: a listed key's; else the default, per key on a server with keys and
         per address on an open one (where any key is accepted, so a key names nobody)."""
         table = self.table
-        if api_key:
-            digest = hashlib.sha256(api_key.encode("utf-8", "surrogateescape")).hexdigest()
-            listed = table.keys.get(digest) if table.keys else None
+        if digest is not None:
+            hexed = digest.hex()
+            listed = table.keys.get(hexed) if table.keys else None
             if listed is not None:
-                return Subject(listed[0], "key:" + digest[:32], listed[1])
+                return Subject(listed[0], "key:" + hexed[:32], listed[1])
             if self.auth_enabled:
-                return Subject(DEFAULT_NAME, "key:" + digest[:32], table.default)
+                return Subject(DEFAULT_NAME, "key:" + hexed[:32], table.default)
         return Subject(DEFAULT_NAME, "addr:" + (address or ""), table.default)
 
-    def admit(self, api_key, address, anthropic=False):
+    def admit(self, digest, address, anthropic=False):
         """A Permit for one generation, or RateLimited when the client is over one of its limits
         (with Anthropic's headers too when `anthropic`)."""
         if self.table.empty:
             return Permit(self, None)
-        subject = self.subject(api_key, address)
+        subject = self.subject(digest, address)
         if not subject.limit:
             return Permit(self, subject)
         reason, levels, lease = self.store.admit(subject.bucket, subject.limit)

@@ -8,6 +8,7 @@ import secrets
 import socket
 import threading
 import time
+from dataclasses import dataclass
 
 from . import metrics
 from .cancel import client_socket
@@ -70,25 +71,25 @@ class ApiKeyAuth:
     def process_request(self, req, resp):
         if not self._digests or req.path in self._open or req.method == "OPTIONS":
             return
-        given = api_key(req)
-        if not given:
+        digest = caller(req).digest
+        if digest is None:
             raise Unauthorized("Missing API key: send 'Authorization: Bearer KEY' or 'x-api-key: KEY'",
                                headers={"WWW-Authenticate": "Bearer"})
-        if not key_matches(given, self._digests):
+        if not key_matches(digest, self._digests):
             raise Unauthorized("Incorrect API key provided", headers={"WWW-Authenticate": "Bearer"})
 
-    def accepts(self, key):
-        """True when a request presenting `key` (None: none) passes on a route that needs one."""
-        return not self._digests or bool(key) and key_matches(key, self._digests)
+    def accepts(self, digest):
+        """True when a request presenting a key with this sha256 `digest` (None: no key) passes on a
+        route that needs one."""
+        return not self._digests or digest is not None and key_matches(digest, self._digests)
 
 
-def key_matches(given, digests):
-    """True if `given` is one of the keys whose sha256 digests are `digests`.
+def key_matches(probe, digests):
+    """True if the key whose sha256 digest is `probe` is one of the keys whose digests are `digests`.
 
     NOTE(timing): fixed-length digests make `compare_digest` independent of the key's length, and
     every key is compared (no early exit), so the time taken says nothing about any key.
     """
-    probe = _digest(given)
     matched = False
     for digest in digests:
         matched |= hmac.compare_digest(probe, digest)
@@ -276,17 +277,31 @@ def _short(exc):
     return text if len(text) <= 200 else text[:200] + "..."
 
 
-def client_key(req):
-    """Who a request is for fair queueing: a digest of the API key it presents (any key, also on an
-    open server), else its peer address. Never the key itself."""
-    return client_key_of(api_key(req), req.remote_addr)
+@dataclass(frozen=True, slots=True)
+class Caller:
+    """Who sent a request, for auth, limits and fair queueing."""
+
+    digest: bytes | None    # sha256 of the API key it presents (None: none); never the key itself
+    address: str            # its peer address (WSGI's REMOTE_ADDR)
+    client: str             # its name for fair queueing: a digest of its key (any key, also on an
+                            # open server), else its address
 
 
-def client_key_of(given, remote_addr):
-    """client_key from the presented API key (or None) and the peer address (WSGI's REMOTE_ADDR)."""
-    if given:
-        return "key:" + _digest(given).hex()[:16]
-    return "addr:" + (remote_addr or "")
+def caller(req):
+    """The request's Caller: its key is read from the headers and hashed once per request."""
+    found = getattr(req.context, "caller", None)
+    if found is None:
+        found = req.context.caller = caller_of(api_key(req), req.remote_addr)
+    return found
+
+
+def caller_of(given, remote_addr):
+    """The Caller presenting API key `given` (or None) from peer address `remote_addr`."""
+    address = remote_addr or ""
+    if not given:
+        return Caller(None, address, "addr:" + address)
+    digest = _digest(given)
+    return Caller(digest, address, "key:" + digest.hex()[:16])
 
 
 def api_key(req):

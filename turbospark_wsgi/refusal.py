@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 
 from .errors import Overloaded
-from .middleware import ApiKeyAuth, Cors, client_key_of, presented_key, request_id_from, write_access
+from .middleware import ApiKeyAuth, Cors, caller_of, presented_key, request_id_from, write_access
 
 # Headers the app reads before it refuses (a second copy would reach it joined), and those the
 # server refuses twice (400): with any of them repeated, the normal path answers.
@@ -93,12 +93,12 @@ class EarlyRefusal:
         length = seen.get("content-length")
         if length is not None and not (_NUMBER.fullmatch(length) and int(length) <= self._max_body):
             return None
-        given = presented_key(seen.get("authorization"), seen.get("x-api-key"))
-        if not self._auth.accepts(given):
+        who = caller_of(presented_key(seen.get("authorization"), seen.get("x-api-key")), remote_addr(peer))
+        if not self._auth.accepts(who.digest):
             return None
         started = time.monotonic()
         try:        # NOTE(fair-share): the client as the app names it, or a spare place looks free
-            self._check_room(client_key_of(given, remote_addr(peer)))
+            self._check_room(who.client)
             return None
         except Overloaded as e:
             refused = e

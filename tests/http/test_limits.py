@@ -21,7 +21,11 @@ MESSAGE = {"model": "fake", "messages": [{"role": "user", "content": "Hi"}], "ma
 
 
 def sha(key):
-    return hashlib.sha256(key.encode()).hexdigest()
+    return digest(key).hex()
+
+
+def digest(key):
+    return hashlib.sha256(key.encode()).digest()
 
 
 class Clock:
@@ -145,6 +149,32 @@ def test_embeddings_count_a_request_and_their_tokens(make_harness, tmp_path):
     assert refused.json["error"]["code"] == "rate_limit_exceeded"
 
 
+@pytest.mark.parametrize("path, body", [("/v1/chat/completions", CHAT), ("/v1/messages", MESSAGE),
+                                        ("/v1/embeddings", {"model": "fake", "input": "Hi"})])
+def test_the_key_is_read_and_hashed_once_per_request(make_harness, tmp_path, monkeypatch, path, body):
+    """Auth, the limits and the queue's fair share all name the client by the key's digest: one read
+    of the headers and one sha256 per request serve all three."""
+    from turbospark_wsgi import middleware
+    from turbospark_wsgi.service import EmbeddingResult
+    h = limited(make_harness, tmp_path, rate_file(requests_per_minute=5))
+    h.service.embed = lambda req: EmbeddingResult([[0.5, 0.5]], 7, "fake")
+    app = h.client()
+    reads, hashes, real_read, real_sha = [], [], middleware.presented_key, hashlib.sha256
+
+    def read(*headers):
+        reads.append(headers)
+        return real_read(*headers)
+
+    def sha256(data=b"", **kw):
+        hashes.extend([data] if data == KEYS["alice"].encode() else [])
+        return real_sha(data, **kw)
+    monkeypatch.setattr(middleware, "presented_key", read)
+    monkeypatch.setattr(hashlib, "sha256", sha256)
+    resp = app.post_json(path, body, headers=auth("alice"))
+    assert resp.headers["x-ratelimit-remaining-requests"] == "4"        # the limits knew alice
+    assert len(reads) == 1 and len(hashes) == 1
+
+
 def test_keys_not_listed_share_nothing_and_get_the_default(make_harness, tmp_path):
     h = limited(make_harness, tmp_path, "[default]\nrequests_per_minute = 1\n" + rate_file(requests_per_minute=5))
     app = h.client()
@@ -198,7 +228,7 @@ def test_tokens_settle_for_a_stream_cancelled_midway(make_harness, tmp_path):
         if len(texts) >= 5:
             break
     frames.close()                  # the client leaves after five tokens
-    bucket = h.service.limits.subject(KEYS["alice"], "").bucket
+    bucket = h.service.limits.subject(digest(KEYS["alice"]), "").bucket
     counters = h.service.limits.store._counters[bucket]
     prompt = len(engine.runs[0].ids)
     produced = 1000 - prompt - counters.tokens
@@ -218,7 +248,7 @@ def test_settling_below_the_count_so_far_gives_tokens_back():
     from types import SimpleNamespace
     limits = Limits("", True, MemoryStore(clock=Clock()), table=parse_table(
         {"default": {"tokens_per_minute": 100}}))
-    permit = limits.admit("k", "")
+    permit = limits.admit(digest("k"), "")
     closers, counters = [], []
     events = SimpleNamespace(model_id="m", prompt_tokens=3, produced_tokens=4, on_close=closers.append,
                              on_token=counters.append)
@@ -373,7 +403,7 @@ def drained(make_harness, tmp_path):
     """alice's requests bucket emptied: her next request is refused, 100 ms later one is back."""
     h = limited(make_harness, tmp_path, rate_file(requests_per_minute=600))
     limits = h.service.limits
-    subject = limits.subject(KEYS["alice"], "")
+    subject = limits.subject(digest(KEYS["alice"]), "")
 
     def drain():
         level = limits.store.settle(subject.bucket, subject.limit, 0, 0, None).requests

@@ -7,7 +7,7 @@ import uuid
 
 import pytest
 
-from test_limits import COMPLETION, KEYS, auth, rate_file, start
+from test_limits import COMPLETION, KEYS, auth, digest, rate_file, start
 from turbospark_wsgi.limits import Limits
 
 limits_redis = pytest.importorskip("turbospark_wsgi.limits_redis")     # needs the redis package
@@ -60,7 +60,7 @@ def test_a_cancelled_stream_settles_in_redis(make_harness, tmp_path, redis_url):
             break
     frames.close()
     store = a.service.limits.store
-    subject = a.service.limits.subject(KEYS["alice"], "")
+    subject = a.service.limits.subject(digest(KEYS["alice"]), "")
     used = store.settle(subject.bucket, subject.limit, 0, 0, None).day_used
     prompt = len(a.engine("fake").runs[0].ids)
     assert 5 <= used - prompt <= 6, used
@@ -79,7 +79,7 @@ def test_concurrency_is_shared_and_a_dead_replicas_places_lapse(make_harness, tm
     held.close()
     b.client().post_json("/v1/completions", COMPLETION, headers=auth("alice"))
     # a replica that dies holding a place: nobody renews it, it lapses
-    subject = a.service.limits.subject(KEYS["alice"], "")
+    subject = a.service.limits.subject(digest(KEYS["alice"]), "")
     assert a.service.limits.store.admit(subject.bucket, subject.limit)[0] is None
     with a.service.limits.store._lock:
         a.service.limits.store._leases.clear()

@@ -11,7 +11,7 @@ import logging
 
 from ..cancel import CancelToken, DisconnectWatcher
 from ..errors import ApiError, EngineError
-from ..middleware import api_key, client_key, request_id
+from ..middleware import caller, request_id
 from ..sse import SSEStream
 
 log = logging.getLogger("turbospark.http")
@@ -24,8 +24,9 @@ CLIENT_CLOSED = 499     # nginx's code for "client closed request"; nobody reads
 def begin(service, req, gen):
     """Admits `gen` (eagerly: the client's limits, then the service) and starts a disconnect watcher
     on the client socket."""
-    gen.request_id, gen.client = request_id(req), client_key(req)
-    permit = service.limits.admit(api_key(req), req.remote_addr, anthropic=req.path.startswith("/v1/messages"))
+    who = caller(req)
+    gen.request_id, gen.client = request_id(req), who.client
+    permit = service.limits.admit(who.digest, who.address, anthropic=req.path.startswith("/v1/messages"))
     cancel = CancelToken()
     events = permit.call(service.run, gen, cancel)
     permit.meter(events)

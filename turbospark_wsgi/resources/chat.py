@@ -1,5 +1,5 @@
 """POST /v1/chat/completions: the model's chat template, tools, reasoning split, OpenAI shapes."""
-from ..middleware import client_key, read_json
+from ..middleware import caller, read_json
 from ..schemas import openai
 from ..schemas.chat import parse_chat
 from ..schemas.chat_render import ChatReply, chat_body, chat_stream, drain_choices
@@ -12,7 +12,7 @@ class ChatCompletions:
         self._max_body = max_body
 
     def on_post(self, req, resp):
-        self._service.check_room(client_key(req))   # NOTE(overload): a full server says so before any work
+        self._service.check_room(caller(req).client)   # NOTE(overload): a full server says so before any work
         gen = parse_chat(read_json(req, self._max_body))
         events, watcher = begin(self._service, req, gen)
         # NOTE(model): the name the request used, as every route echoes it (DEVIATIONS.md)

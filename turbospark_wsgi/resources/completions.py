@@ -1,6 +1,6 @@
 """POST /v1/completions: raw prompts (one or a list), no chat template, BOS by the model's own rule
 (see DEVIATIONS.md)."""
-from ..middleware import client_key, read_json
+from ..middleware import caller, read_json
 from ..schemas import openai
 from ..generation import collect_choices
 from . import begin, client_gone, finish, stream_response
@@ -12,7 +12,7 @@ class Completions:
         self._max_body = max_body
 
     def on_post(self, req, resp):
-        self._service.check_room(client_key(req))   # NOTE(overload): a full server says so before any work
+        self._service.check_room(caller(req).client)   # NOTE(overload): a full server says so before any work
         # NOTE(order): every check that needs no model runs in parse_completion, before the
         # service resolves (and maybe loads) the model.
         gen, degraded = openai.parse_completion(read_json(req, self._max_body), self._service.config.max_prompts)

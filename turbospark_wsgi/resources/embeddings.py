@@ -1,5 +1,5 @@
 """POST /v1/embeddings: sentence embeddings from an embedding model (OpenAI shape)."""
-from ..middleware import api_key, read_json
+from ..middleware import caller, read_json
 from ..schemas import embeddings
 
 
@@ -11,7 +11,8 @@ class Embeddings:
 
     def on_post(self, req, resp):
         request, fmt = embeddings.parse_embeddings(read_json(req, self._max_body), self._max_inputs)
-        permit = self._service.limits.admit(api_key(req), req.remote_addr)
+        who = caller(req)
+        permit = self._service.limits.admit(who.digest, who.address)
         result = permit.call(self._service.embed, request)
         permit.settle(result.prompt_tokens)
         req.context.limits = permit

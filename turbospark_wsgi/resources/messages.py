@@ -1,5 +1,5 @@
 """POST /v1/messages and /v1/messages/count_tokens: the Anthropic Messages API."""
-from ..middleware import client_key, read_json
+from ..middleware import caller, read_json
 from ..schemas.anthropic import parse_messages_request
 from ..schemas.anthropic_render import MessageReply, error_event, message_body, message_stream
 from ..schemas.chat_render import drain_choices
@@ -12,7 +12,7 @@ class Messages:
         self._max_body = max_body
 
     def on_post(self, req, resp):
-        self._service.check_room(client_key(req))   # NOTE(overload): a full server says so before any work
+        self._service.check_room(caller(req).client)   # NOTE(overload): a full server says so before any work
         gen = parse_messages_request(read_json(req, self._max_body))
         events, watcher = begin(self._service, req, gen)
         reply = MessageReply(gen.model or self._service.default_model, gen.chat.parallel_tool_calls)

@@ -8,7 +8,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from ..errors import ApiError, InvalidRequest, NotFound
-from ..middleware import client_key, read_json
+from ..middleware import caller, read_json
 from ..schemas.responses import parse_responses
 from ..schemas.responses_input import assistant_turn
 from ..schemas.responses_render import ResponseReply, ResponseStream, response_body
@@ -105,7 +105,7 @@ class Responses:
         self._max_body = max_body
 
     def on_post(self, req, resp):
-        self._service.check_room(client_key(req))   # NOTE(overload): a full server says so before any work
+        self._service.check_room(caller(req).client)   # NOTE(overload): a full server says so before any work
         # NOTE(order): the body and the stored history are checked before any model is resolved.
         request = parse_responses(read_json(req, self._max_body))
         parent = self._previous(request)
