@@ -111,7 +111,8 @@ def collect(events):
 
 class Tally:
     """Usage of one generation's runs: the prompt once, the completion tokens of every run (best_of's
-    unreturned runs too); `pending` counts the run in flight until its end is accounted."""
+    unreturned runs too); `pending` counts the Tokens of the run in flight (runs go one after
+    another) until its end is accounted."""
 
     def __init__(self, prompt_tokens):
         self.prompt_tokens, self.pending = prompt_tokens, 0
@@ -141,14 +142,12 @@ class RunTranslator:
     def __init__(self, tokenizer, tally, index, last, want_logprobs, report, end_listed):
         self._tokenizer, self._tally, self._index, self._last = tokenizer, tally, index, last
         self._want, self._report, self._end_listed = want_logprobs, report, end_listed
-        self.tokens = 0                 # Tokens seen (one more than the engine counts when it sends the end token)
         self._held = []                 # TokenLogprobs whose text is still held back
         self.finish_reason = None
 
     def translate(self, event):
         """The service events for one engine event (a list, often empty)."""
         if isinstance(event, Token):
-            self.tokens += 1
             self._tally.count()
             if event.logprob is not None:
                 self._held.append(logprob_entry(self._tokenizer, event.id, event.logprob, event.top_logprobs))
@@ -162,7 +161,7 @@ class RunTranslator:
     def cut(self, reason=FinishReason.LENGTH):
         """The Finished of a run ended early (the time limit): text still held back is dropped."""
         self.finish_reason = reason
-        self._tally.account(self.tokens, 0)
+        self._tally.account(self._tally.pending, 0)
         return Finished(reason, self._tally.usage, None, self._index, self._last)
 
     def _finish(self, event):
@@ -181,11 +180,12 @@ class RunTranslator:
         token that stopped the run (one Token more than it counts). Completions list and count it,
         as OpenAI's legacy API lists `<|endoftext|>`, so echo's tokens are prompt + generated
         (lm-eval slices on that); the chat routes list no end token."""
-        ended = self.tokens == finish.completion_tokens + 1 and self._held
+        seen = self._tally.pending      # this run's Tokens
+        ended = seen == finish.completion_tokens + 1 and self._held
         if ended and not self._end_listed:
             self._held.pop()
             return finish.completion_tokens
-        return max(finish.completion_tokens, self.tokens)
+        return max(finish.completion_tokens, seen)
 
     def _take(self):
         if not self._want:
