@@ -9,7 +9,8 @@ from prometheus_client import REGISTRY
 from turbospark_wsgi.cancel import CancelToken
 from turbospark_wsgi.errors import InvalidRequest, ModelLoadError, Overloaded
 from turbospark_wsgi.queue import LockQueue
-from turbospark_wsgi.generation import Finished, collect
+from test_service import collect
+from turbospark_wsgi.generation import Finished
 from turbospark_wsgi.service import GenerationRequest
 
 

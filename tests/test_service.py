@@ -14,8 +14,19 @@ from turbospark_wsgi.engine import SamplingParams
 from turbospark_wsgi.registry import Registry
 from turbospark_wsgi.errors import (ContextLengthExceeded, EngineError, InvalidRequest, ModelLoadError,
                                     ModelNotFound, Overloaded)
-from turbospark_wsgi.generation import Finished, KeepAlive, TextDelta, collect
+from turbospark_wsgi.generation import Finished, KeepAlive, TextDelta
 from turbospark_wsgi.service import GenerationRequest
+
+
+def collect(events):
+    """Drains a Generation's events: (text, Finished), or (text, None) when it was cancelled."""
+    parts, finished = [], None
+    for event in events:
+        if isinstance(event, TextDelta):
+            parts.append(event.text)
+        elif isinstance(event, Finished):
+            finished = event
+    return "".join(parts), finished
 
 
 def request(**kw):

@@ -1,5 +1,5 @@
 """The lazy half of the service: a Generation runs an admitted request's choices on the engine
-and yields service events (KeepAlive | TextDelta | Finished), which `collect*` fold for bodies.
+and yields service events (KeepAlive | TextDelta | Finished), which `collect_choices` folds for bodies.
 
 service.py admits a request (template, tokens, context and queue checks) and hands it here; the
 HTTP side only ever sees these events.
@@ -96,17 +96,6 @@ def collect_choices(events):
             choices.setdefault(event.index, ChoiceResult(event.index)).finished = event
             finished = event if event.last else finished
     return [choices[i] for i in sorted(choices)], finished
-
-
-def collect(events):
-    """Drains a Generation: (text, Finished), or (text, None) when it was cancelled."""
-    parts, finished = [], None
-    for event in events:
-        if isinstance(event, TextDelta):
-            parts.append(event.text)
-        elif isinstance(event, Finished):
-            finished = event
-    return "".join(parts), finished
 
 
 class Tally:
