@@ -3,6 +3,7 @@ import numpy as np
 import pytest
 
 from turbospark_wsgi.engine.events import Finish, Prefill, Token
+from turbospark_wsgi.engine.prefix_cache import Slot
 from turbospark_wsgi.engine.scheduler import Scheduler
 from turbospark_wsgi.engine.sampling import SamplingParams
 
@@ -225,7 +226,7 @@ def test_no_free_slot_is_an_error():
         sched.add(ids("cd"), SamplingParams())
 
 
-def test_a_failing_step_fails_every_running_sequence_and_forgets_caches():
+def test_a_failing_step_fails_every_running_sequence_and_forgets_caches(monkeypatch):
     class Broken(ScriptedModel):
         def decode_batch(self, tokens, caches):
             raise FloatingPointError("boom")
@@ -234,11 +235,14 @@ def test_a_failing_step_fails_every_running_sequence_and_forgets_caches():
     sched = scheduler(model, max_batch=2)
     a = sched.add(ids("ab"), SamplingParams(temperature=0, max_new_tokens=5))
     b = sched.add(ids("cd"), SamplingParams(temperature=0, max_new_tokens=5))
+    forgotten, real = [], Slot.forget
+    monkeypatch.setattr(Slot, "forget", lambda slot: (forgotten.append(slot), real(slot)))
     for seq in (a, b):
         with pytest.raises(FloatingPointError):
             while True:
                 sched.poll(seq)
     assert all(s.ids == [] for s in sched.slots)
+    assert sorted(map(id, forgotten)) == sorted(map(id, sched.slots))      # each once
 
 
 def test_context_full_ends_with_length():

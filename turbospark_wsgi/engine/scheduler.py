@@ -73,10 +73,9 @@ class Sequence:
         self._finish(FinishReason.CANCELLED)
 
     def fail(self, error):
-        """Ends this sequence with `error` (raised to its reader by Scheduler.poll); its cache
-        may hold a half-run step, so it is forgotten."""
+        """Ends this sequence with `error` (raised to its reader by Scheduler.poll). Its cache may
+        hold a half-run step: the caller forgets it."""
         self.error, self.state, self.pending = error, _DONE, None
-        self.slot.forget()
 
     def _end(self, reason):
         # held-back text goes out at the end, unless the flushed bytes complete a stop string
@@ -249,7 +248,7 @@ class Scheduler:
         # touched unknown: forget them all and fail every running sequence with the same error.
         for seq in self.active:
             seq.fail(error)
-        for slot in self.slots:
+        for slot in self.slots:     # the failed sequences' slots among them
             slot.forget()
 
 
@@ -261,3 +260,4 @@ def _isolated(seq, work, *args):
         work(*args)
     except Exception as e:     # noqa: BLE001 - whatever it was, it ends this sequence only
         seq.fail(e)
+        seq.slot.forget()
