@@ -165,3 +165,26 @@ def test_weight_storage_says_which_types_stay_quantized(tmp_path, monkeypatch):
     assert weight_storage(path) == "dequantized to float32: Q5_0 x2, Q5_1 x1, Q8_0 x1; float32: F32 x1"
     (tmp_path / "bad.gguf").write_bytes(b"GGUF" + b"\0" * 8)
     assert weight_storage(str(tmp_path / "bad.gguf")) == "" == weight_storage(str(tmp_path))
+
+
+def test_a_matrix_with_a_part_without_block_kernel_is_read_once_as_float32(tiny_gguf, monkeypatch):
+    """A Q8_0 file whose layer 0 V and layer 1 up projections are F16 (no block kernel): layer 0's
+    q | k | v and layer 1's gate | up are float32, exactly as the float32 loader makes them, the
+    rest stays in block form, and no tensor is read from the file twice."""
+    from gguf import GGMLQuantizationType as GT
+    from turbospark_wsgi.engine import kernels_cpu
+    if not kernels_cpu.AVAILABLE:
+        pytest.skip("block form needs numba")
+    rng = np.random.default_rng(1)
+    f16 = {"blk.0.attn_v.weight": (32, 64), "blk.1.ffn_up.weight": (128, 64)}
+    tiny = tiny_gguf("Q8_0", raw={name: ((rng.standard_normal(shape) / 8).astype(np.float16), GT.F16)
+                                  for name, shape in f16.items()})
+    reads, real = [], GGUFFile.raw
+    monkeypatch.setattr(GGUFFile, "raw", lambda self, name: (reads.append(name), real(self, name))[1])
+    kept = load_model(tiny.path, weights="quant").model.w.layers
+    assert sorted(reads) == sorted(set(reads))
+    monkeypatch.undo()
+    fp32 = load_model(tiny.path, weights="fp32").model.w.layers
+    assert isinstance(kept[0].wqkv, np.ndarray) and np.array_equal(kept[0].wqkv, fp32[0].wqkv)
+    assert isinstance(kept[1].w_gate_up, np.ndarray) and np.array_equal(kept[1].w_gate_up, fp32[1].w_gate_up)
+    assert all(isinstance(w, kernels_cpu.QLinear) for w in (kept[0].wo, kept[0].w_gate_up, kept[1].wqkv))

@@ -197,6 +197,19 @@ def _layer(cfg, source, fmt, i, xp):
     def get(ours):
         return fetch(source, ours, fmt, i, cfg.arch)
 
+    bqkv, q_norm, k_norm = attention_extras(cfg, source, fmt, i, xp)
+    return LayerWeights(
+        **layer_norms(cfg, source, fmt, i, xp),
+        wqkv=_upload_t(_wqkv(cfg, get, fmt), xp),
+        wo=_upload_t(get("wo"), xp),
+        w_gate_up=_upload_t(np.concatenate(gate_up_parts(cfg, get)), xp),
+        w_down=_upload_t(get("w_down"), xp),
+        bqkv=bqkv, q_norm=q_norm, k_norm=k_norm)
+
+
+def _wqkv(cfg, get, fmt):
+    """The float32 q | k | v rows [(H + 2G) * D, dim], rotary rows as Hugging Face has them and q
+    scaled; `get(ours)` reads one tensor."""
     wq, wk, wv = qkv_parts(cfg, get)                                        # [H*D, dim], [G*D, dim] x2
     if fmt == "gguf" and gguf_rows_permuted(cfg):
         wq, wk = unpermute_rotary_rows(wq, cfg.n_head), unpermute_rotary_rows(wk, cfg.n_kv_head)
@@ -205,14 +218,7 @@ def _layer(cfg, source, fmt, i, xp):
     # takes it instead (see attention_extras).
     if not cfg.qk_norm:
         wq = wq * query_scale(cfg)
-    bqkv, q_norm, k_norm = attention_extras(cfg, source, fmt, i, xp)
-    return LayerWeights(
-        **layer_norms(cfg, source, fmt, i, xp),
-        wqkv=_upload_t(np.concatenate([wq, wk, wv]), xp),
-        wo=_upload_t(get("wo"), xp),
-        w_gate_up=_upload_t(np.concatenate(gate_up_parts(cfg, get)), xp),
-        w_down=_upload_t(get("w_down"), xp),
-        bqkv=bqkv, q_norm=q_norm, k_norm=k_norm)
+    return np.concatenate([wq, wk, wv])
 
 
 def _upload_t(w, xp):
@@ -226,43 +232,54 @@ def load_quantized_weights(cfg, source):
     vector, is float32 as in `load_weights`."""
     from . import kernels_cpu, quant
 
+    def kept(names, layer=None):
+        """Whether every tensor in `names` can stay in block form (looked up, not read)."""
+        for ours in names:
+            name = tensor_name(ours, "gguf", layer)
+            if name not in source.names:
+                fetch(source, ours, "gguf", layer)      # raises, naming the missing tensor
+            info = source.tensors[name]
+            if not quant.supported(info.ggml_type, info.shape):
+                return False
+        return True
+
     def blocks(ours, layer=None):
         name = tensor_name(ours, "gguf", layer)
-        if name not in source.names:
-            fetch(source, ours, "gguf", layer)      # raises, naming the missing tensor
         info = source.tensors[name]
-        if not quant.supported(info.ggml_type, info.shape):
-            return None
         return quant.decode(source.raw(name), info.ggml_type, info.shape)
 
-    def linear(parts, fp32):
-        if any(p is None for p in parts):
+    def linear(names, layer, fp32):
+        # NOTE(read-once): support is decided from the tensor table, so a matrix with any part
+        # without a block kernel is read once, as float32, and its other parts are not decoded first
+        if not kept(names, layer):
             return fp32()
-        return kernels_cpu.QLinear(quant.pack(parts))
+        return kernels_cpu.QLinear(quant.pack([blocks(ours, layer) for ours in names]))
+
+    def qkv(i):
+        wq, wk, wv = qkv_parts(cfg, lambda ours: blocks(ours, i))
+        if gguf_rows_permuted(cfg):
+            wq = wq.map_rows(lambda a: unpermute_rotary_rows(a, cfg.n_head))
+            wk = wk.map_rows(lambda a: unpermute_rotary_rows(a, cfg.n_kv_head))
+        if not cfg.qk_norm:
+            wq = wq.scaled(query_scale(cfg))
+        return kernels_cpu.QLinear(quant.pack([wq, wk, wv]))
 
     def layer(i):
         def get(ours):
             return fetch(source, ours, "gguf", i, cfg.arch)
 
-        wq, wk, wv = qkv_parts(cfg, lambda ours: blocks(ours, i))
-        if wq is not None and wk is not None:
-            if gguf_rows_permuted(cfg):
-                wq = wq.map_rows(lambda a: unpermute_rotary_rows(a, cfg.n_head))
-                wk = wk.map_rows(lambda a: unpermute_rotary_rows(a, cfg.n_kv_head))
-            if not cfg.qk_norm:
-                wq = wq.scaled(query_scale(cfg))
-        fp = _layer(cfg, source, "gguf", i, np) if None in (wq, wk, wv) else None
+        qkv_names = ("wqkv",) if cfg.fused_qkv else ("wq", "wk", "wv")
+        gate_up_names = ("w_gate_up",) if cfg.fused_gate_up else ("w_gate", "w_up")
         bqkv, q_norm, k_norm = attention_extras(cfg, source, "gguf", i, np)
         return LayerWeights(
             **layer_norms(cfg, source, "gguf", i, np),
-            wqkv=linear([wq, wk, wv], lambda: fp.wqkv),
-            wo=linear([blocks("wo", i)], lambda: _upload_t(get("wo"), np)),
-            w_gate_up=linear(gate_up_parts(cfg, lambda ours: blocks(ours, i)),
-                             lambda: _upload_t(np.concatenate(gate_up_parts(cfg, get)), np)),
-            w_down=linear([blocks("w_down", i)], lambda: _upload_t(get("w_down"), np)),
+            wqkv=qkv(i) if kept(qkv_names, i) else _upload_t(_wqkv(cfg, get, "gguf"), np),
+            wo=linear(["wo"], i, lambda: _upload_t(get("wo"), np)),
+            w_gate_up=linear(gate_up_names, i, lambda: _upload_t(np.concatenate(gate_up_parts(cfg, get)), np)),
+            w_down=linear(["w_down"], i, lambda: _upload_t(get("w_down"), np)),
             bqkv=bqkv, q_norm=q_norm, k_norm=k_norm)
 
-    head, tok_embd = _quantized_head(cfg, source, blocks, kernels_cpu, quant)
+    head, tok_embd = _quantized_head(cfg, source, kept, blocks, kernels_cpu, quant)
     rope_name = tensor_name("rope_freqs", "gguf")
     return Weights(
         layers=[layer(i) for i in range(cfg.n_layer)], norm=fetch(source, "norm", "gguf"),
@@ -270,14 +287,13 @@ def load_quantized_weights(cfg, source):
         rope_freqs=source.tensor(rope_name) if rope_name in source.names else None)
 
 
-def _quantized_head(cfg, source, blocks, kernels_cpu, quant):
+def _quantized_head(cfg, source, kept, blocks, kernels_cpu, quant):
     """(head, tok_embd): block form where supported; float32 (tok_embd None when tied) otherwise."""
     embd_ours = "tok_embd" if cfg.tied_embeddings else "head"
-    head_b = blocks(embd_ours)
-    head_q = None if head_b is None else quant.pack(head_b)
+    head_q = quant.pack(blocks(embd_ours)) if kept([embd_ours]) else None
     head = kernels_cpu.QLinear(head_q) if head_q is not None else _upload_t(fetch(source, embd_ours, "gguf"), np)
     if cfg.tied_embeddings:
         return head, None if head_q is None else kernels_cpu.QEmbedding(head_q)
-    embd_b = blocks("tok_embd")
-    embd = fetch(source, "tok_embd", "gguf") if embd_b is None else kernels_cpu.QEmbedding(quant.pack(embd_b))
-    return head, embd
+    if kept(["tok_embd"]):
+        return head, kernels_cpu.QEmbedding(quant.pack(blocks("tok_embd")))
+    return head, fetch(source, "tok_embd", "gguf")
