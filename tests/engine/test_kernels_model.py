@@ -43,6 +43,41 @@ def test_blocked_attention_matches_naive(tiny_gguf, T, pos, H, G, window):
         assert np.abs(m._attention(q, keys[:pos + 1], vals[:pos + 1], pos, window) - want).max() < 1e-5
 
 
+def explicit_window_mask(p0, rows, lo, n, window, m):
+    """The sliding-window mask written out for each (row, head, key): row p sees p - window < j <= p."""
+    p = np.repeat(np.arange(p0, p0 + rows), m)[:, None]
+    j = np.arange(lo, n)[None, :]
+    return np.where((j > p) | (j <= p - window), np.float32(-np.inf), np.float32(0.0))
+
+
+@pytest.mark.parametrize("T, pos, G, window", [(300, 0, 2, 50), (140, 37, 1, 200), (150, 100, 2, 1), (5, 3, 4, 3),
+                                               (1, 9, 2, 4), (200, 700, 2, 130), (129, 1000, 1, 700),
+                                               (300, 0, 1, 700)])
+def test_window_masks_are_views_of_one_band_with_the_written_out_bits(tiny_gguf, monkeypatch, T, pos, G, window):
+    """Block attention with a window gives the bits it gives with the mask written out per call,
+    and its masks are views of one array per (window, heads per KV head), not rebuilt per block."""
+    rng = np.random.default_rng(T + pos)
+    m = load_model(tiny_gguf().path).model
+    q = rng.standard_normal((T, 4, 8)).astype(np.float32)
+    span = -(-(pos + T) // ATTN_BLOCK) * ATTN_BLOCK
+    keys = rng.standard_normal((span, G, 8)).astype(np.float32)
+    vals = rng.standard_normal((span, G, 8)).astype(np.float32)
+    masks, real = [], m._window_mask
+
+    def spy(*args):
+        masks.append((args, real(*args)))
+        return masks[-1][1]
+    monkeypatch.setattr(m, "_window_mask", spy)
+    got = m._block_attention(q, keys, vals, pos, window)
+    for args, mask in masks:
+        assert np.array_equal(mask, explicit_window_mask(*args)), args
+    monkeypatch.setattr(m, "_window_mask", explicit_window_mask)
+    assert np.array_equal(got, m._block_attention(q, keys, vals, pos, window))
+    bands = {id(mask.base) for _, mask in masks if mask.base is not None}
+    assert len(bands) <= 2 and all(mask.base is not None for _, mask in masks)    # a band grows at most once here
+    assert masks[-1][1].base is m._masks[("window", window, 4 // G)]
+
+
 def test_block_attention_rows_do_not_depend_on_the_rows_beside_them(tiny_gguf):
     rng = np.random.default_rng(3)
     m = load_model(tiny_gguf().path).model

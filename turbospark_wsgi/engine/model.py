@@ -248,11 +248,21 @@ class Transformer:
 
     def _window_mask(self, p0, rows, lo, n, window, m):
         """[rows*m, n-lo] additive mask for rows at positions p0.. (each repeated for m heads) over
-        keys lo..n-1: row p sees keys p - window < j <= p."""
-        xp = self.xp
-        p = xp.repeat(xp.arange(p0, p0 + rows), m)[:, None]
-        j = xp.arange(lo, n)[None, :]
-        return xp.where((j > p) | (j <= p - window), np.float32(-np.inf), np.float32(0.0)).astype(np.float32)
+        keys lo..n-1: row p sees keys p - window < j <= p. A view into one band per (window, m)."""
+        # NOTE(window-mask): whether row r sees key column c depends on c - r only. The band
+        # [ATTN_BLOCK*m, a + ATTN_BLOCK] masks c - r > a and c - r <= a - window, and this call's
+        # mask is its columns from a - (p0 - lo): they fit, as a block reads keys at most to its
+        # own end (n - p0 <= ATTN_BLOCK). `a` grows (doubling) as positions move further from lo.
+        d = p0 - lo
+        band = self._masks.get(("window", window, m))
+        if band is None or band.shape[1] - ATTN_BLOCK < d:
+            a = max(d, ATTN_BLOCK if band is None else 2 * (band.shape[1] - ATTN_BLOCK))
+            r = np.repeat(np.arange(ATTN_BLOCK), m)[:, None]
+            c = np.arange(a + ATTN_BLOCK)[None, :]
+            band = np.where((c - r > a) | (c - r <= a - window), np.float32(-np.inf), np.float32(0.0))
+            band = self._masks[("window", window, m)] = self.xp.asarray(band.astype(np.float32))
+        shift = band.shape[1] - ATTN_BLOCK - d
+        return band[:rows * m, shift:shift + n - lo]
 
     def _rope_table(self, n, kind=0):
         """cos/sin `[n, 1, rope_dim/2]` on the device for rotary table `kind` (0 global, 1 local),
