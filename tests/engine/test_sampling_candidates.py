@@ -7,7 +7,7 @@ hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from turbospark_wsgi.engine.sampling import Sampler, SamplingParams, candidates  # noqa: E402
+from turbospark_wsgi.engine.sampling import Sampler, SamplingParams, candidates, draw  # noqa: E402
 
 EXACT = settings(derandomize=True, database=None, deadline=None, max_examples=600,
                  suppress_health_check=list(HealthCheck))
@@ -44,17 +44,17 @@ def assert_same_as_reference(x, temperature, top_k=0, top_p=1.0, min_p=0.0):
 
 
 @st.composite
-def logits(draw):
+def logits(pick):
     """Random logits with ties (values drawn from a few levels), masked (-inf) entries and extreme scales."""
-    n = draw(st.integers(1, 700))
-    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
-    scale = draw(st.sampled_from([0.01, 1.0, 8.0, 1e3, FLOAT32_MAX]))
+    n = pick(st.integers(1, 700))
+    rng = np.random.default_rng(pick(st.integers(0, 2**32 - 1)))
+    scale = pick(st.sampled_from([0.01, 1.0, 8.0, 1e3, FLOAT32_MAX]))
     x = rng.standard_normal(n) * min(scale, 1e30)
-    levels = draw(st.integers(0, 6))                               # 0: continuous values
+    levels = pick(st.integers(0, 6))                               # 0: continuous values
     if levels:
-        x = rng.integers(0, levels, n) * (scale / max(levels, 1))
+        x = rng.integers(0, levels, n) * (scale / levels)
     x = np.clip(x, -FLOAT32_MAX, FLOAT32_MAX).astype(np.float32)
-    masked = rng.random(n) < draw(st.sampled_from([0.0, 0.0, 0.3, 0.95]))
+    masked = rng.random(n) < pick(st.sampled_from([0.0, 0.0, 0.3, 0.95]))
     masked[rng.integers(n)] = False                                # at least one token stays allowed
     return np.where(masked, -np.inf, x).astype(np.float32)
 
@@ -129,3 +129,13 @@ def test_draw_frequencies_on_a_real_vocabulary_size(params):
     expected = np.bincount(bins[ids], weights=probs, minlength=10) / probs.sum()
     stat, df = chi_square(counts, expected)
     assert stat < generous_limit(df), (stat, df, counts)
+
+
+def test_draw_lands_only_on_positive_probabilities():
+    probs = np.zeros(1000)
+    probs[[3, 255, 256, 511, 999]] = [1.0, 2.0, 0.5, 1e-300, 3.0]      # at block edges, one tiny
+    coins = [0.0, 1e-17, 0.5, 1 - 2**-53, *np.random.default_rng(0).random(3000)]
+    picked = [draw(probs, c) for c in coins]
+    assert set(picked) <= {3, 255, 256, 511, 999} and {3, 255, 256, 999} <= set(picked)
+    assert draw(probs, 0.0) == 3 and draw(probs, 1 - 2**-53) == 999
+    assert [draw(np.array([0.0, 2.0, 0.0]), c) for c in (0.0, 0.7, 1 - 2**-53)] == [1, 1, 1]

@@ -102,8 +102,25 @@ class Sampler:
         if p.temperature < GREEDY_BELOW:
             return int(np.argmax(x))
         ids, probs = candidates(x, p.temperature, p.top_k, p.top_p, p.min_p)
-        cum = np.cumsum(probs)
-        return int(ids[np.searchsorted(cum, self.rng.random() * cum[-1], side="right").clip(max=len(ids) - 1)])
+        return int(ids[draw(probs, self.rng.random())])
+
+
+DRAW_BLOCK = 256
+
+
+def draw(probs, coin):
+    """The index that coin (uniform in [0, 1)) picks: i with probability probs[i] / probs.sum()."""
+    # PERF(cumsum): a running sum goes one element at a time (0.17 ms over 49,152 probabilities), so
+    # the coin picks a block of DRAW_BLOCK by the blocks' sums, then an index inside that block
+    starts = np.arange(0, len(probs), DRAW_BLOCK)
+    cum = np.cumsum(np.add.reduceat(probs, starts))         # [blocks]
+    u = coin * cum[-1]                                       # < cum[-1], as coin < 1
+    b = int(np.searchsorted(cum, u, side="right"))           # a block of positive mass
+    inside = np.cumsum(probs[starts[b]:starts[b] + DRAW_BLOCK])
+    # NOTE(rounding): the block's own running sum may end a hair below what is left of u; kept
+    # under its end, u lands on an entry of positive probability
+    u = min(u - (cum[b - 1] if b else 0.0), np.nextafter(inside[-1], 0.0))
+    return int(starts[b]) + int(np.searchsorted(inside, u, side="right"))
 
 
 def candidates(x, temperature, top_k=0, top_p=1.0, min_p=0.0):
