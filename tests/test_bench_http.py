@@ -196,6 +196,15 @@ def test_clients_and_servers_flags(bench_http):
         bench_http.parse_args(["--clients", "0,8"])
 
 
+def test_requests_are_greedy_unless_a_temperature_is_given(bench_http, load_mod):
+    assert load_mod.completion_body("p", 4)["temperature"] == 0
+    assert load_mod.chat_body([], 4)["temperature"] == 0
+    args = bench_http.parse_args(["--temperature", "1"])
+    body = load_mod.completion_body("p", 4, bench_http.sampling_of(args))
+    assert (body["temperature"], body["max_tokens"], body["repeat_penalty"]) == (1.0, 4, 1.0)
+    assert bench_http.parse_args([]).temperature == 0.0
+
+
 def test_rotation_puts_every_server_first_once_over_as_many_rounds(bench_http):
     servers = ["turbospark", "llama-server", "llama-cpp-python"]
     orders = [bench_http.rotation(servers, r) for r in range(3)]
@@ -222,11 +231,11 @@ def test_missing_peers_are_skipped_with_a_message(bench_http, capsys, tmp_path):
 
 def test_engine_only_is_compared_with_the_http_figure_of_the_same_round(bench_http):
     class Worker:
-        def run(self, clients, max_tokens):
-            assert (clients, max_tokens) == ([["a"], ["b"]], 64)
+        def run(self, clients, max_tokens, temperature):
+            assert (clients, max_tokens, temperature) == ([["a"], ["b"]], 64, 0.0)
             return {"aggregate_tok_s": 200.0}
 
-    plan = SimpleNamespace(engine=[[["x"]], [["a"], ["b"]]])
+    plan = SimpleNamespace(engine=[[["x"]], [["a"], ["b"]]], sampling={"temperature": 0.0})
     metrics = bench_http._defaulting(c8_aggregate_tok_s=[90.0, 150.0])
     bench_http.engine_only(Worker(), plan, 1, metrics, 8)
     assert metrics["engine_c8_aggregate_tok_s"] == [200.0]

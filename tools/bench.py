@@ -1,13 +1,17 @@
-"""Engine throughput: prefill tok/s on a 512-token prompt and single-stream greedy decode tok/s.
+"""Engine throughput: prefill tok/s on a 512-token prompt and single-stream decode tok/s.
 
-    python tools/bench.py [--model PATH] [--repeats 3] [--device auto|cpu|cuda] [--threads N]
+    python tools/bench.py [--model PATH] [--repeats 3] [--device auto|cpu|cuda] [--threads N] [--temperature T]
     python tools/bench.py --vs-llama-cpp [--model GGUF] [--repeats 3] [--clients 1,8,16,32]
-        [--llama-server PATH] [--llama-python PY] [--fresh-numba-cache] [--json]
+        [--llama-server PATH] [--llama-python PY] [--fresh-numba-cache] [--temperature T] [--json]
+
+Decode is greedy unless --temperature is given; then each token is drawn by the server's sampler
+at that temperature (its other fields off, the OpenAI defaults).
 
 --vs-llama-cpp runs the HTTP benchmark of tools/bench_http.py instead: this server against
 llama.cpp's C++ `llama-server` and llama-cpp-python's server, all up at once and measured in
 rotating order, same GGUF and threads, beside this engine's own in-process figure
-(tools/bench_engine_batch.py); see its --help for the other flags.
+(tools/bench_engine_batch.py); see its --help for the other flags. With --temperature there,
+llama.cpp's servers sample with their own top_k 40 (and top_p 0.95, min_p 0.05) on top of it.
 
 On a CPU shared with other busy processes, OpenBLAS's worker threads can stall each other; compare
 with --threads 1 (or OPENBLAS_NUM_THREADS=1) and watch the printed load average.
@@ -26,6 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from turbospark_wsgi.config import Config  # noqa: E402
 from turbospark_wsgi.engine.loader import load_model  # noqa: E402
+from turbospark_wsgi.engine.sampling import Sampler, SamplingParams  # noqa: E402
 from turbospark_wsgi.pull import default_model_path  # noqa: E402
 
 DEFAULT_MODEL = str(default_model_path())
@@ -39,6 +44,7 @@ def parse_args(argv=None):
     p.add_argument("--prompt-tokens", type=int, default=512)
     p.add_argument("--decode-steps", type=int, default=128)
     p.add_argument("--threads", type=int, default=0, help="BLAS threads (0: library default)")
+    p.add_argument("--temperature", type=float, default=0.0, help="of the decode (0: greedy)")
     p.add_argument("--vs-llama-cpp", action="store_true",
                    help="HTTP benchmark against llama.cpp's servers (tools/bench_http.py)")
     return p.parse_args(argv)
@@ -61,14 +67,15 @@ def bench_prefill(model, n_tokens, rng):
     return n_tokens / (time.perf_counter() - t0)
 
 
-def bench_decode(model, steps, rng):
-    """tok/s of `steps` greedy decode steps after an untimed 16-token prefill, through
-    `decode_batch` with one sequence: the path the server's scheduler runs for a lone stream."""
+def bench_decode(model, steps, rng, temperature=0.0):
+    """tok/s of `steps` decode steps after an untimed 16-token prefill, through `decode_batch` with
+    one sequence and the server's sampler: the path the server's scheduler runs for a lone stream."""
     cache = model.new_cache(16 + steps)
     logits = model.forward(rng.integers(0, model.cfg.vocab_size, 16), cache)
+    sampler = Sampler(SamplingParams(temperature=temperature, seed=0))
     t0 = time.perf_counter()
     for _ in range(steps):
-        logits = model.decode_batch([int(np.argmax(logits))], [cache])[0]
+        logits = model.decode_batch([sampler(logits)[0]], [cache])[0]
     return steps / (time.perf_counter() - t0)
 
 
@@ -87,9 +94,10 @@ def run_engine_bench(args):
     prefill, decode = [], []
     for _ in range(args.repeats):
         prefill.append(bench_prefill(loaded.model, args.prompt_tokens, rng))
-        decode.append(bench_decode(loaded.model, args.decode_steps, rng))
+        decode.append(bench_decode(loaded.model, args.decode_steps, rng, args.temperature))
     print(f"prefill {args.prompt_tokens} tokens: {summary(prefill)}")
-    print(f"decode {args.decode_steps} steps:     {summary(decode)}")
+    print(f"decode {args.decode_steps} steps:     {summary(decode)}"
+          + (f" at temperature {args.temperature:g}" if args.temperature else ""))
     print(f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB; "
           f"load average {os.getloadavg()[0]:.2f}")
     return {"prefill": prefill, "decode": decode}

@@ -34,7 +34,8 @@ def parse_args(argv=None):
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--worker", action="store_true",
-                   help='read {"clients": [[prompt, ...], ...], "max_tokens": N} lines, answer one JSON line each')
+                   help='read {"clients": [[prompt, ...], ...], "max_tokens": N, "temperature": T} lines, '
+                        'answer one JSON line each')
     return p.parse_args(argv)
 
 
@@ -84,8 +85,13 @@ def _advance(run):
 
 
 def greedy(max_tokens):
+    return at_temperature(0.0)(max_tokens)
+
+
+def at_temperature(temperature):
+    """make_params for `drive`: SamplingParams at that temperature, every other field at its default."""
     from turbospark_wsgi.engine import SamplingParams
-    return SamplingParams(max_new_tokens=max_tokens, temperature=0.0)
+    return lambda max_tokens: SamplingParams(max_new_tokens=max_tokens, temperature=temperature)
 
 
 def load(model, max_batch):
@@ -110,7 +116,7 @@ def worker(engine):
             continue
         try:
             job = json.loads(line)
-            result = drive(engine, job["clients"], job["max_tokens"], greedy)
+            result = drive(engine, job["clients"], job["max_tokens"], at_temperature(job.get("temperature", 0.0)))
         except Exception as exc:      # noqa: BLE001 -- reported to the caller, which goes on
             result = {"error": f"{type(exc).__name__}: {exc}"}
         print(json.dumps(result), flush=True)

@@ -1,7 +1,7 @@
 """Side-by-side HTTP benchmark: this server against llama.cpp's servers on the same GGUF.
 
     python tools/bench.py --vs-llama-cpp [--model GGUF] [--repeats 3] [--clients 1,8,16,32]
-        [--llama-server PATH] [--llama-python PY] [--fresh-numba-cache] [--json]
+        [--llama-server PATH] [--llama-python PY] [--fresh-numba-cache] [--temperature T] [--json]
 
 The servers are up at once on loopback with the same thread count: this server, llama.cpp's C++
 `llama-server` (-np = --max-batch, the anchor of the ratios) and llama-cpp-python's server when
@@ -17,6 +17,11 @@ load driven in-process on this server's engine alone (tools/bench_engine_batch.p
 engine-only figure and what the serving path keeps of it. Prompts differ per request (a number
 up front), so no prefix cache helps except across the two chat turns. Prints medians (min-max)
 over rounds, ratios ours/peer, peak RSS and the load average per round; --json prints one object.
+
+Every request is greedy unless --temperature is given. With a temperature, llama.cpp's servers
+sample with their own defaults on top of it (top_k 40, top_p 0.95, min_p 0.05, as llama-server's
+/props reports), where this server's top_k, top_p and min_p stay off (the OpenAI defaults): the
+side by side then compares a top-40 sampler with a whole-vocabulary one.
 """
 import argparse
 import contextlib
@@ -63,6 +68,9 @@ def parse_args(argv=None):
     p.add_argument("--budget", type=float, default=1800.0,
                    help="seconds for the whole run; rounds after the first are skipped past it")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="of every request (0: greedy); llama.cpp's servers add their top_k 40, top_p 0.95 "
+                        "and min_p 0.05 to it, this server nothing")
     p.add_argument("--servers", default=",".join(SERVER_NAMES), help="which to measure, comma-separated")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     args = p.parse_args(argv)
@@ -133,6 +141,7 @@ class Plan:
     clients: dict      # level -> [round] -> [client] -> prompts
     engine: list       # [round] -> [client] -> prompts (engine-only)
     warmup: dict
+    sampling: dict     # the sampling fields of every request
 
 
 def filler(n):
@@ -187,7 +196,12 @@ def make_plan(server, args):
                 short=[[short_prompt(next(numbers)) for _ in range(SHORT_REQUESTS)] for _ in rounds],
                 clients={c: [streams(c) for _ in rounds] for c in args.clients},
                 engine=[streams(args.engine_clients) for _ in rounds],
-                warmup={"long": long(), "chat": chat(), "clients": [count(1) for _ in range(args.max_batch)]})
+                warmup={"long": long(), "chat": chat(), "clients": [count(1) for _ in range(args.max_batch)]},
+                sampling=sampling_of(args))
+
+
+def sampling_of(args):
+    return {"temperature": args.temperature}
 
 
 def rotation(items, r):
@@ -205,52 +219,53 @@ def cold_start(server, args, metrics):
     """Right after the server first answers /health (nothing has run yet): the first request, then
     a first burst of max_batch clients, where kernels of new batch sizes first run."""
     metrics["ready_s"].append(server.startup_s)
-    _, first = load.short(server, short_prompt(COLD_NUMBER))
+    _, first = load.short(server, short_prompt(COLD_NUMBER), sampling=sampling_of(args))
     metrics["first_request_s"].append(first)
     metrics["first_answer_s"].append(time.monotonic() - server.launched)
     burst = [[counting_prompt(COLD_NUMBER + 10 * i)] for i in range(args.max_batch)]
-    metrics["first_burst_tok_s"].append(load.concurrent(server, burst, CONCURRENT_TOKENS)["aggregate_tok_s"])
+    burst_tok_s = load.concurrent(server, burst, CONCURRENT_TOKENS, sampling_of(args))["aggregate_tok_s"]
+    metrics["first_burst_tok_s"].append(burst_tok_s)
     log(f"  {server.name}: ready {server.startup_s:.1f} s, first request {first:.2f} s")
 
 
 def warm_up(server, plan):
     # NOTE(warm-up): first requests load kernels (numba's cache, BLAS) and page in weights; a
     # batch of concurrent requests also reaches the batched decode path before anything is timed.
-    load.prefill(server, plan.warmup["long"])
-    load.chat_turns(server, *plan.warmup["chat"], max_tokens=8)
-    load.concurrent(server, plan.warmup["clients"], 8)
+    load.prefill(server, plan.warmup["long"], plan.sampling)
+    load.chat_turns(server, *plan.warmup["chat"], max_tokens=8, sampling=plan.sampling)
+    load.concurrent(server, plan.warmup["clients"], 8, plan.sampling)
 
 
 # ---- the workloads of a round -----------------------------------------------------------------
 
 def prefill(server, plan, r, metrics):
-    tok_s, n = load.prefill(server, plan.prefill[r])
+    tok_s, n = load.prefill(server, plan.prefill[r], plan.sampling)
     metrics["prefill_tok_s"].append(tok_s)
     metrics["prefill_prompt_tokens"].append(n)
 
 
 def decode(server, plan, r, metrics):
-    tok_s, n = load.decode(server, plan.decode[r], 128)
+    tok_s, n = load.decode(server, plan.decode[r], 128, plan.sampling)
     metrics["decode_tok_s"].append(tok_s)
     metrics["decode_completion_tokens"].append(n)
 
 
 def chat(server, plan, r, metrics):
-    t1, t2 = load.chat_turns(server, *plan.chats[r])
+    t1, t2 = load.chat_turns(server, *plan.chats[r], sampling=plan.sampling)
     metrics["chat_ttft1_s"].append(t1)
     metrics["chat_ttft2_s"].append(t2)
     metrics["chat_ttft2_over_1"].append(t2 / t1)
 
 
 def short(server, plan, r, metrics):
-    ttft, total = load.short_series(server, plan.short[r])
+    ttft, total = load.short_series(server, plan.short[r], sampling=plan.sampling)
     metrics["short_ttft_s"].append(ttft)
     metrics["short_latency_s"].append(total)
 
 
 def clients(level):
     def workload(server, plan, r, metrics):
-        result = load.concurrent(server, plan.clients[level][r], CONCURRENT_TOKENS)
+        result = load.concurrent(server, plan.clients[level][r], CONCURRENT_TOKENS, plan.sampling)
         for key in CONCURRENT_METRICS:
             metrics[f"c{level}_{key}"].append(result[key])
         if result["errors"]:
@@ -265,7 +280,7 @@ def workloads(args):
 
 def engine_only(worker, plan, r, metrics, level):
     """The engine-only aggregate of this round, and the HTTP aggregate at the same count over it."""
-    result = worker.run(plan.engine[r], CONCURRENT_TOKENS)
+    result = worker.run(plan.engine[r], CONCURRENT_TOKENS, plan.sampling["temperature"])
     metrics[f"engine_c{level}_aggregate_tok_s"].append(result["aggregate_tok_s"])
     http = metrics.get(f"c{level}_aggregate_tok_s") or []
     if len(http) > r and http[r] and result["aggregate_tok_s"]:
@@ -456,6 +471,7 @@ class _defaulting(dict):
 
 def report_of(args, run, wall_s):
     meta = {"model": args.model, "repeats": args.repeats, "threads": args.threads, "max_batch": args.max_batch,
+            "temperature": args.temperature,
             "clients": args.clients, "requests_per_client": args.requests_per_client,
             "engine_clients": args.engine_clients, "fresh_numba_cache": args.fresh_numba_cache,
             "cpu_count": os.cpu_count(), "cpu": cpu_name(), "wall_s": round(wall_s, 1), **run.meta}

@@ -1,6 +1,7 @@
 """The workloads of tools/bench_http.py: stdlib HTTP clients timed on the client side.
 
-Every generation streams over SSE at temperature 0. A target is any object with `port` and
+Every generation streams over SSE, at temperature 0 unless a workload is given other `sampling`
+fields (merged into each request body). A target is any object with `port` and
 `count_tokens(text)` (for servers whose streams carry no usage). Times are seconds from sending
 the request.
 """
@@ -107,15 +108,18 @@ def _read_events(resp, out, start):
     out.error = out.error or "stream ended without [DONE]"
 
 
-def completion_body(prompt, max_tokens):
-    # NOTE(sampling): greedy on both servers; repeat_penalty is llama-cpp-python's (its default is 1.1),
-    # which this server ignores as an unknown field.
-    return {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "repeat_penalty": 1.0,
+GREEDY = {"temperature": 0}
+
+
+def completion_body(prompt, max_tokens, sampling=GREEDY):
+    # NOTE(sampling): greedy on every server by default; repeat_penalty is llama-cpp-python's (its
+    # default is 1.1), which this server ignores as an unknown field.
+    return {"prompt": prompt, "max_tokens": max_tokens, "repeat_penalty": 1.0, **sampling,
             "stream_options": {"include_usage": True}}
 
 
-def chat_body(messages, max_tokens):
-    return {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "repeat_penalty": 1.0,
+def chat_body(messages, max_tokens, sampling=GREEDY):
+    return {"messages": messages, "max_tokens": max_tokens, "repeat_penalty": 1.0, **sampling,
             "stream_options": {"include_usage": True}}
 
 
@@ -125,42 +129,42 @@ def _checked(s):
     return s
 
 
-def prefill(target, prompt):
+def prefill(target, prompt, sampling=GREEDY):
     """-> (prompt tokens / time to first token, prompt tokens) for a max_tokens=1 completion."""
-    s = _checked(stream(target.port, "/v1/completions", completion_body(prompt, 1)))
+    s = _checked(stream(target.port, "/v1/completions", completion_body(prompt, 1, sampling)))
     tokens = s.usage["prompt_tokens"] if s.usage else target.count_tokens(prompt)
     return tokens / s.ttft, tokens
 
 
-def decode(target, prompt, max_tokens):
+def decode(target, prompt, max_tokens, sampling=GREEDY):
     """-> (decode tok/s between the first and the last token, completion tokens)."""
-    s = _checked(stream(target.port, "/v1/completions", completion_body(prompt, max_tokens)))
+    s = _checked(stream(target.port, "/v1/completions", completion_body(prompt, max_tokens, sampling)))
     n = s.completion_tokens()
     return decode_rate(s.token_times, n), n
 
 
-def chat_turns(target, system, user1, user2, max_tokens=32):
+def chat_turns(target, system, user1, user2, max_tokens=32, sampling=GREEDY):
     """-> (TTFT of turn 1, TTFT of turn 2), turn 2 repeating turn 1 with its reply and a short question."""
     messages = [{"role": "system", "content": system}, {"role": "user", "content": user1}]
-    first = _checked(stream(target.port, "/v1/chat/completions", chat_body(messages, max_tokens)))
+    first = _checked(stream(target.port, "/v1/chat/completions", chat_body(messages, max_tokens, sampling)))
     messages += [{"role": "assistant", "content": first.text}, {"role": "user", "content": user2}]
-    second = _checked(stream(target.port, "/v1/chat/completions", chat_body(messages, max_tokens)))
+    second = _checked(stream(target.port, "/v1/chat/completions", chat_body(messages, max_tokens, sampling)))
     return first.ttft, second.ttft
 
 
-def short(target, prompt, max_tokens=SHORT_TOKENS):
+def short(target, prompt, max_tokens=SHORT_TOKENS, sampling=GREEDY):
     """-> (time to first token, whole request) of one streamed completion of a short prompt."""
-    s = _checked(stream(target.port, "/v1/completions", completion_body(prompt, max_tokens)))
+    s = _checked(stream(target.port, "/v1/completions", completion_body(prompt, max_tokens, sampling)))
     return s.ttft, s.total
 
 
-def short_series(target, prompts, max_tokens=SHORT_TOKENS):
+def short_series(target, prompts, max_tokens=SHORT_TOKENS, sampling=GREEDY):
     """-> (median TTFT, median whole request) of short prompts sent one at a time."""
-    times = [short(target, p, max_tokens) for p in prompts]
+    times = [short(target, p, max_tokens, sampling) for p in prompts]
     return statistics.median(t for t, _ in times), statistics.median(total for _, total in times)
 
 
-def concurrent(target, client_prompts, max_tokens):
+def concurrent(target, client_prompts, max_tokens, sampling=GREEDY):
     """Each client streams its prompts one after another, all clients at once.
 
     -> {"aggregate_tok_s", "p50_s", "p95_s", "tokens", "errors"}: aggregate = completion tokens of all
@@ -173,7 +177,7 @@ def concurrent(target, client_prompts, max_tokens):
         barrier.wait()
         for prompt in prompts:
             started = time.perf_counter()
-            s = stream(target.port, "/v1/completions", completion_body(prompt, max_tokens))
+            s = stream(target.port, "/v1/completions", completion_body(prompt, max_tokens, sampling))
             with lock:
                 results.append((started, started + s.total, s))
 

@@ -243,7 +243,7 @@ class LlamaCppPythonServer(Server):
 
 class EngineWorker:
     """This server's engine in-process in a child (tools/bench_engine_batch.py --worker): `run(clients,
-    max_tokens)` -> its result dict. `with worker:` starts it and waits for the model; always stops it."""
+    max_tokens, temperature)` -> its result dict. `with worker:` starts it and waits for the model; always stops it."""
     name = "engine-only"
 
     def __init__(self, args):
@@ -267,8 +267,9 @@ class EngineWorker:
     def __exit__(self, *exc):
         self.stop()
 
-    def run(self, clients, max_tokens):
-        self.proc.stdin.write(json.dumps({"clients": clients, "max_tokens": max_tokens}) + "\n")
+    def run(self, clients, max_tokens, temperature=0.0):
+        job = {"clients": clients, "max_tokens": max_tokens, "temperature": temperature}
+        self.proc.stdin.write(json.dumps(job) + "\n")
         self.proc.stdin.flush()
         result = self._answer()
         if "error" in result:
