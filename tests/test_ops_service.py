@@ -237,3 +237,34 @@ def test_unmatched_routes_share_one_label(client):
     client.get("/nope/1", status=404)
     client.get("/nope/2", status=404)
     assert sample("turbospark_requests_total", route="unmatched", method="GET", status="404") >= 2
+
+
+# ---- the heap after a load: long-lived objects out of the collector's way ----------------------
+
+def test_a_load_and_an_unload_leave_the_heap_frozen_and_an_unloaded_models_cycles_freed(make_harness):
+    import gc
+    import weakref
+
+    class Cyclic:           # an engine part kept alive only by a cycle once the registry drops it
+        pass
+
+    h = make_harness(model_memory=2500)
+    for name in ("a", "b"):
+        (h.root / f"{name}.gguf").write_bytes(b"GGUF" + b"\0" * 1496)
+    gc.unfreeze()
+    try:
+        h.registry.resolve("a")
+        assert gc.get_freeze_count() > 0, "a load left the heap unfrozen"
+        engine = h.registry.loaded("a")
+        part = Cyclic()
+        part.engine, part.self = engine, part
+        engine.cyclic_part = part
+        alive = weakref.ref(part)
+        del part, engine
+        h.engines.pop("a")                  # the harness's own reference: the registry's stays
+        gc.freeze()                         # frozen with the model, as a load would leave it
+        h.registry.resolve("b")             # unloads "a": its cycle must not stay frozen
+        assert alive() is None, "an unloaded model's cycles stayed frozen"
+        assert gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
