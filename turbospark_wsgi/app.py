@@ -41,7 +41,7 @@ def create_app(config=None, service=None):
     `/health` answers 503 until the model is loaded.
     """
     config = config or Config()
-    compute.configure(config.compute_nice)
+    compute.configure(config.compute_nice, config.front_door)
     service = service or Service(config)
     # NOTE(order): CORS answers preflights before auth; its process_response also reaches 401s.
     app = falcon.App(middleware=[RequestContext(config.replica_id, config.body_timeout),

@@ -13,10 +13,17 @@ check, a token to stream) gets a core at once instead of waiting behind the kern
 
 Work that may take long but must not hold the compute thread (compiling a client's grammar) runs
 `aside`: on a small pool of its own, at a lower priority still, waited for with a limit.
+
+While the request loop answers a burst (a full server's 503s, many connections at once), the compute
+thread gives way between two layers of its forward pass (`front_door()`, engine/yielding.py): a few
+milliseconds at a time, never more than a fifth of its time.
 """
 import os
 import sys
 import threading
+import time
+
+from .engine import yielding
 
 ASIDE_THREADS = 2           # NOTE(aside): a job past its caller's limit runs on; at most this many at once
 # NOTE(fork): held only for the few microseconds it takes to build the executor, never across a
@@ -27,13 +34,89 @@ _guard = threading.Lock()
 # 96-134 ms at +5; +10 was no better than +5.
 DEFAULT_NICE = 5
 _nice = DEFAULT_NICE            # set by configure (Config.compute_nice, TURBOSPARK_COMPUTE_NICE)
+_give_way = True                # set by configure (Config.front_door, TURBOSPARK_FRONT_DOOR)
 
 
-def configure(nice):
+def configure(nice, give_way=True):
     """The nice increment of the compute thread this process creates next (create_app calls it
-    before any engine work, so the thread made after fork takes it)."""
-    global _nice
-    _nice = int(nice)
+    before any engine work, so the thread made after fork takes it), and whether that thread gives
+    way to the request loop's bursts."""
+    global _nice, _give_way
+    _nice, _give_way = int(nice), bool(give_way)
+
+
+class FrontDoor:
+    """The request loop's claim on the process while it answers a burst.
+
+    The loop calls `claim()` when it writes a full server's 503 and `arrived(n)` when it accepts
+    connections; two arrivals within HOLD seconds are a burst. The compute thread calls the door
+    (the engine's yielding gate) between two layers: while a claim is fresh it sleeps, with the GIL
+    and its core given up, until the loop has been quiet for HOLD seconds, at most MOST seconds at a
+    time, and then runs RUN_AFTER times as long as it waited before it waits again. So a burst is
+    answered without a GIL hand-off to the compute thread at every socket call, and a flood of
+    requests takes at most 1 / (1 + RUN_AFTER) of the compute thread's time.
+    """
+    # PERF(front-door): measured with tools/bench_reject.py; see the README's tuning section.
+    HOLD = 0.002
+    MOST = 0.02
+    RUN_AFTER = 4
+
+    def __init__(self, clock=time.monotonic, sleep=None):
+        self._clock = clock
+        self._sleep = sleep or _native_sleep()
+        self._claimed = False
+        self._until = 0.0           # the claim ends then, unless renewed
+        self._free_at = 0.0         # the compute thread runs until then before it waits again
+        self._last_arrival = float("-inf")
+        self.waited = 0.0           # seconds the compute thread gave way, in all
+
+    def claim(self):
+        self._until = self._clock() + self.HOLD
+        self._claimed = True
+
+    def arrived(self, count=1):
+        now = self._clock()
+        if count > 1 or now - self._last_arrival < self.HOLD:
+            self._until = now + self.HOLD
+            self._claimed = True
+        self._last_arrival = now
+
+    def __call__(self):
+        if not self._claimed:       # PERF(front-door): one attribute read per layer when idle
+            return
+        now = self._clock()
+        if now >= self._until:
+            self._claimed = False
+            return
+        if now < self._free_at:
+            return
+        start = now
+        end = now + self.MOST
+        while now < min(self._until, end):
+            self._sleep(min(self._until, end) - now)
+            now = self._clock()
+        self.waited += now - start
+        self._free_at = now + (now - start) * self.RUN_AFTER
+
+
+_door = None
+
+
+def front_door():
+    """This process's FrontDoor (made on first use; the compute thread's gate once it starts)."""
+    global _door
+    if _door is None:
+        _door = FrontDoor()
+    return _door
+
+
+def _native_sleep():
+    """time.sleep as the OS has it: under gevent the patched one would switch greenlets on a hub
+    that the compute thread does not run."""
+    if gevent_patched():
+        from gevent import monkey
+        return monkey.get_original("time", "sleep")
+    return time.sleep
 
 
 def submit(fn, *args, **kwargs):
@@ -87,6 +170,7 @@ def _make_compute():
     # NOTE(priority): the first job, so every engine call runs after it, and the threads OpenMP
     # starts for the kernels (on their first parallel region) inherit the thread's priority.
     pool.submit(lower_priority, _nice)
+    yielding.install(front_door() if _give_way else None)
     return pool
 
 

@@ -25,7 +25,8 @@ class Config:
     MODELS (models dir), MODEL (default model id, alias or path), DEVICE (auto|cpu|cuda),
     WEIGHTS (auto|quant|fp32), ACTIVATIONS (int8|float32), GEMV_MAX_B and SINGLE_ROW_THREADS (CPU
     kernel tuning), INT8_VNNI (1 or 0), ENCODER_THREADS (BLAS threads of an embedding encoder),
-    COMPUTE_NICE (nice increment of the compute thread, 0 = unchanged),
+    COMPUTE_NICE (nice increment of the compute thread, 0 = unchanged), FRONT_DOOR (1 or 0: the
+    compute thread gives way between layers while the request loop answers a burst),
     MAX_WAITING (queued requests before 503), QUEUE_TIMEOUT (s, 0 = wait forever),
     MAX_BODY (bytes), MAX_CONTEXT (tokens, 0 = the model's), KEEPALIVE (s between SSE comments),
     API_KEYS (comma list; empty = open), API_KEY_FILE (one key per line, added to API_KEYS),
@@ -56,6 +57,7 @@ class Config:
     encoder_threads: int = _ENGINE.encoder_threads
     int8_vnni: bool = _ENGINE.int8_vnni
     compute_nice: int = DEFAULT_NICE
+    front_door: bool = True
     max_waiting: int = 16
     queue_timeout: float = 0.0
     max_body: int = 4 * 1024 * 1024

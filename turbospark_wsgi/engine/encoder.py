@@ -19,6 +19,7 @@ import numba
 import numpy as np
 from tokenizers import Tokenizer
 
+from . import yielding
 from .options import EngineOptions
 from .safetensors_io import SafetensorsFile
 
@@ -179,6 +180,7 @@ class Encoder:
 
     def _layers(self, x, bias, scale, B, T, H, d):
         for layer in self.layers:
+            yielding.point()
             # PERF(layout): contiguous heads, so every matmul below is a plain batched BLAS call
             qkv = _linear(x, *layer["qkv"]).reshape(B, T, 3, H, d).transpose(2, 0, 3, 1, 4)
             qkv = np.ascontiguousarray(qkv)

@@ -1,7 +1,7 @@
 """The transformer forward pass (llama family), written against an array module `xp`."""
 import numpy as np
 
-from . import kernels_cpu
+from . import kernels_cpu, yielding
 from .backend import to_host
 from .kv_cache import KVCache
 
@@ -93,6 +93,7 @@ class Transformer:
         span = -(-(pos + T) // ATTN_BLOCK) * ATTN_BLOCK                 # end of the last row's block
         x = self._embed(ids)                                            # [T, dim]
         for i, lw in enumerate(w.layers):
+            yielding.point()                                            # NOTE(front-door): see yielding.py
             h = rms_norm(x, lw.attn_norm, c.norm_eps, xp)               # [T, dim]
             qkv = self._heads(mm(h, lw.wqkv, xp), lw, T)                # [T, H+2G, D]  q|k|v heads
             qk = rope(qkv[:, :H + G], *ropes[self._layer_rope[i]], c.rope_dim, xp)   # [T, H+G, D]
@@ -127,6 +128,7 @@ class Transformer:
                  for k in range(len(self._inv_freqs))]
         x = self._embed(ids)[:, None, :]                                # [B, 1, dim]
         for i, lw in enumerate(w.layers):
+            yielding.point()
             h = rms_norm(x, lw.attn_norm, c.norm_eps, xp)               # [B, 1, dim]
             qkv = self._heads(h @ lw.wqkv, lw, B)                       # [B, H+2G, D]  q|k|v heads
             qk = rope(qkv[:, :H + G], *ropes[self._layer_rope[i]], c.rope_dim, xp)   # [B, H+G, D]

@@ -1,0 +1,118 @@
+"""compute.FrontDoor: the compute thread gives way to the request loop's bursts, within bounds.
+A fake clock: the door's own arithmetic, no timing."""
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from turbospark_wsgi import compute
+from turbospark_wsgi.engine import yielding
+
+HOLD, MOST, RUN_AFTER = compute.FrontDoor.HOLD, compute.FrontDoor.MOST, compute.FrontDoor.RUN_AFTER
+
+
+class Clock:
+    def __init__(self):
+        self.now = 100.0
+        self.slept = []
+        self.during_sleep = None        # called at each sleep: the loop acting meanwhile
+
+    def __call__(self):
+        return self.now
+
+    def sleep(self, seconds):
+        assert seconds > 0
+        self.slept.append(seconds)
+        self.now += seconds
+        if self.during_sleep:
+            self.during_sleep()
+
+
+@pytest.fixture
+def door():
+    clock = Clock()
+    d = compute.FrontDoor(clock=clock, sleep=clock.sleep)
+    d.clock = clock
+    return d
+
+
+def test_an_idle_door_never_waits(door):
+    for _ in range(100):
+        door()
+    assert door.clock.slept == [] and door.waited == 0
+
+
+def test_a_claim_makes_the_compute_thread_wait_until_the_loop_is_quiet(door):
+    door.claim()
+    door.clock.now += HOLD / 4
+    door()
+    assert sum(door.clock.slept) == pytest.approx(HOLD * 3 / 4)
+    door.clock.slept.clear()
+    door()                              # the claim has ended
+    assert door.clock.slept == []
+
+
+def test_a_claim_renewed_while_waiting_extends_the_wait_up_to_the_limit(door):
+    door.claim()
+    door.clock.during_sleep = door.claim    # the loop keeps answering: each sleep ends in a new claim
+    door()
+    assert door.waited == pytest.approx(MOST)
+
+
+def test_after_waiting_the_compute_thread_runs_before_it_waits_again(door):
+    door.claim()
+    door.clock.during_sleep = door.claim
+    door()
+    waited = door.waited
+    door.clock.now += RUN_AFTER * waited * 0.9
+    door.claim()
+    door()
+    assert door.waited == waited            # too soon: it runs on
+    door.clock.now += RUN_AFTER * waited * 0.2
+    door.claim()
+    door()
+    assert door.waited > waited
+
+
+def test_under_a_flood_the_compute_thread_keeps_most_of_its_time(door):
+    door.clock.during_sleep = door.claim
+    start = door.clock.now
+    while door.clock.now - start < 10.0:    # the loop claims all the time; a layer takes 1 ms
+        door.claim()
+        door()
+        door.clock.now += 0.001
+    assert door.waited / (door.clock.now - start) <= 1 / (1 + RUN_AFTER) + 0.01
+
+
+def test_arrivals_claim_only_in_a_burst(door):
+    door.arrived()
+    door()
+    assert door.waited == 0                 # one connection is not a burst
+    door.clock.now += HOLD * 10
+    door.arrived()
+    door.clock.now += HOLD / 2
+    door.arrived()                          # a second one close behind: a burst
+    door()
+    assert door.waited > 0
+    door.clock.now += MOST * (RUN_AFTER + 1) * 2
+    waited = door.waited
+    door.arrived(3)                         # several accepted at once
+    door()
+    assert door.waited > waited
+
+
+def test_the_compute_thread_installs_the_door_only_when_configured():
+    code = textwrap.dedent("""
+        from turbospark_wsgi import compute
+        from turbospark_wsgi.engine import yielding
+        compute.configure(0, give_way=GIVE)
+        compute.run(lambda: None)
+        print(yielding._gate is compute.front_door(), yielding._gate is None)
+    """)
+    for give, expected in ((True, "True False"), (False, "False True")):
+        out = subprocess.run([sys.executable, "-c", code.replace("GIVE", str(give))], capture_output=True,
+                             text=True, check=True, env=dict(os.environ, PYTHONPATH=os.getcwd()))
+        assert out.stdout.strip() == expected
+    assert yielding._gate is None or callable(yielding._gate)
