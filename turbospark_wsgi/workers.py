@@ -6,17 +6,23 @@ the request is all there (or its framing is for the server's reader to refuse). 
 first byte is in, its head must follow within TURBOSPARK_HEADER_TIMEOUT.
 
 Under both, a full server's 503 to a generation request (refusal.py) is written as soon as the
-request's head is parsed: by the loop itself under gthread, before the environ is built under gevent.
+request is in: by the loop itself under gthread; under gevent from the bytes the socket holds, before
+gunicorn's parser runs (or, for a body that came later, before the environ is built). While the loop
+answers such a burst the compute thread gives way (compute.FrontDoor), and each worker grows its
+descriptor table before it starts a thread (reserve_descriptors).
 
 A head not complete within TURBOSPARK_HEADER_TIMEOUT, or a buffered body not complete within
 TURBOSPARK_BODY_TIMEOUT, gets a 408 and the connection is closed.
 """
 import contextlib
 import errno
+import fcntl
 import heapq
 import itertools
 import json
+import os
 import re
+import resource
 import select
 import selectors
 import socket
@@ -31,6 +37,7 @@ from gunicorn.http.errors import NoMoreData
 from gunicorn.http2 import negotiation
 from gunicorn.workers import ggevent, gthread
 
+from . import compute
 from .config import Config
 from .refusal import refusal
 
@@ -43,6 +50,8 @@ LOG_DELAY = 0.5                             # seconds an early answer's access l
 # the same rate (13.7 and 13.6 tok/s, 4 runs each). 0.2 ms was no better.
 SWITCH_INTERVAL = 0.0005
 LINGER = 2.0                                # seconds a closed connection's input is drained, as gunicorn does
+SPARE_DESCRIPTORS = 128                     # beyond worker_connections: model files, logs, pipes
+_PEEK = 64 * 1024                           # bytes of a request gevent's early path looks at
 _HEAD_END = re.compile(rb"\r?\n\r?\n")
 _CONTENT_LENGTH = re.compile(rb"\ncontent-length[ \t]*:[ \t]*([0-9]{1,15})[ \t]*(?=\r?\n)", re.IGNORECASE)
 _TRANSFER_ENCODING = re.compile(rb"\ntransfer-encoding[ \t]*:", re.IGNORECASE)
@@ -74,6 +83,7 @@ class ThreadWorker(gthread.ThreadWorker):
 
     def init_process(self):
         sys.setswitchinterval(SWITCH_INTERVAL)
+        reserve_descriptors(self.worker_connections + SPARE_DESCRIPTORS)
         super().init_process()
 
     def wait_for_and_dispatch_events(self, timeout):
@@ -89,6 +99,7 @@ class ThreadWorker(gthread.ThreadWorker):
     def accept(self, listener):
         """Accepts every connection waiting (up to worker_connections), not one per poller turn."""
         name = listener.getsockname()
+        door = compute.front_door()
         while self.nr_conns < self.worker_connections:
             try:
                 client, addr = listener.accept()
@@ -97,6 +108,7 @@ class ThreadWorker(gthread.ThreadWorker):
                     return
                 raise
             self.nr_conns += 1
+            door.arrived()
             self.enqueue_req(gthread.TConn(self.cfg, client, addr, name))
 
     def run(self):
@@ -177,6 +189,7 @@ class ThreadWorker(gthread.ThreadWorker):
         end = head_end + (body_length(pending[:head_end]) or 0)
         keepalive = (self.alive and version == 1 and len(self.keepalived_conns) < self.max_keepalived
                      and not wants_close(fields))
+        compute.front_door().claim()
         data = response_bytes(answer, version, keepalive)
         try:
             sent = conn.sock.send(data, socket.MSG_DONTWAIT)
@@ -298,20 +311,97 @@ class GeventWorker(ggevent.GeventWorker):
         self.connections = {}               # greenlet -> [client socket, parser's unreader or None]
         # NOTE(capacity): each connection is a greenlet and a socket buffer, so slow clients
         # cannot use up the pool before their timeouts end them.
+        self.unlogged = []                  # early answers sent, their access lines not yet written
 
     def init_process(self):
         sys.setswitchinterval(SWITCH_INTERVAL)
+        reserve_descriptors(self.worker_connections + SPARE_DESCRIPTORS)
         super().init_process()
 
     def handle(self, listener, client, addr):
         import gevent
 
+        compute.front_door().arrived()
+        if self.answer_early(client, addr):
+            util.close(client)
+            return
         me = gevent.getcurrent()
         self.connections[me] = [client, None]
         try:
             super().handle(listener, client, addr)
         finally:
             self.connections.pop(me, None)
+
+    def answer_early(self, client, addr):
+        """Answers a full server's 503s from the bytes the socket holds, without gunicorn's parser,
+        for as long as each request in turn gets one. True when the connection is done with (EOF,
+        idle past keep-alive, `Connection: close`); False hands it to gunicorn's parser with the
+        request it did not answer still unread: the bytes are only peeked at until answered."""
+        import gevent
+
+        early = refusal()
+        if early is None or self.cfg.is_ssl or negotiation.prior_knowledge_allowed(self.cfg, addr):
+            return False
+        client.setblocking(1)
+        while True:
+            data = None
+            with gevent.Timeout(self.cfg.keepalive, False):
+                try:
+                    data = client.recv(_PEEK, socket.MSG_PEEK)
+                except OSError:
+                    return True
+            if not data:
+                return True                 # EOF, or idle past keep-alive: closed quietly, as gunicorn does
+            head_end = find_head_end(data)
+            head = head_end > 0 and parse_head(data[:head_end], self.cfg)
+            if not head:
+                return False
+            method, path, version, fields = head
+            end = head_end + (body_length(data[:head_end]) or 0)
+            if end > len(data):
+                return False                # the body is not all in: the parser's turn (handle_request)
+            answer = early.answer(method, path, fields, addr)
+            if answer is None:
+                return False
+            compute.front_door().claim()
+            keepalive = self.alive and self.cfg.keepalive and version == 1 and not wants_close(fields)
+            try:
+                take(client, end)
+                client.sendall(response_bytes(answer, version, keepalive))
+            except OSError:
+                return True
+            finally:
+                self.log_later(answer)
+            if not keepalive:
+                return True
+
+    def log_later(self, answer):
+        """Writes an early answer's access line once the burst it came in is answered (a turn of the
+        hub that adds none) or LOG_DELAY seconds on, as the gthread loop does."""
+        import gevent
+
+        self.unlogged.append(answer)
+        if len(self.unlogged) == 1:
+            gevent.spawn(self.write_logs)
+
+    def run(self):
+        try:
+            super().run()
+        finally:
+            unlogged, self.unlogged = self.unlogged, []
+            for answer in unlogged:
+                answer.log()
+
+    def write_logs(self):
+        import gevent
+
+        start, seen = time.monotonic(), 0
+        while len(self.unlogged) != seen and time.monotonic() - start < LOG_DELAY:
+            seen = len(self.unlogged)
+            gevent.sleep(0.001)
+        unlogged, self.unlogged = self.unlogged, []
+        for answer in unlogged:
+            answer.log()
 
     def handle_request(self, listener_name, req, sock, addr):
         import gevent
@@ -354,6 +444,33 @@ class GeventWorker(ggevent.GeventWorker):
                 raise
             refuse_timeout(client, b"")
             raise NoMoreData(b"") from None
+
+
+def reserve_descriptors(count):
+    """Grows this process's descriptor table to `count` entries now (capped by RLIMIT_NOFILE).
+
+    PERF(descriptors): Linux grows the table by doubling, and in a process with more than one thread
+    each growth waits for an RCU grace period: ~15 ms with the accept loop holding the GIL, so the
+    first burst of a few hundred connections after start stalled twice (tools/bench_reject.py: the
+    first burst's p99 ~50-60 ms against ~25 ms for the next ones). Called from init_process, before
+    the worker starts a thread, where growing costs nothing."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    top = count if soft == resource.RLIM_INFINITY else min(count, soft - 1)
+    try:
+        fd = fcntl.fcntl(2, fcntl.F_DUPFD_CLOEXEC, top)
+    except OSError:
+        return False
+    os.close(fd)
+    return True
+
+
+def take(sock, count):
+    """Reads and drops `count` bytes that the socket already holds (a request answered early)."""
+    while count > 0:
+        data = sock.recv(min(count, _RECV))
+        if not data:
+            return
+        count -= len(data)
 
 
 def late(conn, stage, timeout):

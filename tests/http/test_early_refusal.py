@@ -1,6 +1,9 @@
 """A full server's 503 written by the worker from the request head (refusal.py) is the app's own
 answer, and the worker leaves every other request to the app."""
 import json
+import subprocess
+import sys
+import textwrap
 
 import pytest
 
@@ -160,3 +163,21 @@ def test_the_early_answer_asks_for_the_client_the_app_would_name(make_harness, h
     finally:
         holder.release()
     assert (answer is not None) == refused
+
+
+# ---- the descriptor table, grown before the first burst -----------------------------------------
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_worker_grows_its_descriptor_table_before_connections_arrive():
+    code = textwrap.dedent("""
+        import os, re
+        from turbospark_wsgi.workers import reserve_descriptors
+        size = lambda: int(re.search(r"FDSize:\\s*(\\d+)", open("/proc/self/status").read()).group(1))
+        before, open_before = size(), sorted(os.listdir("/proc/self/fd"))
+        assert reserve_descriptors(1500)
+        print(before, size(), open_before == sorted(os.listdir("/proc/self/fd")))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    before, after, same = out.stdout.split()
+    assert int(before) < 1500 <= int(after), out.stdout
+    assert same == "True", "a descriptor was left open"

@@ -146,3 +146,27 @@ def test_one_connection_is_refused_again_and_again(held):
     ids = [re.search(rb"(?i)\r\nx-request-id: *(\S+)", head).group(1) for _, head, _ in answers]
     assert ids == [b"one", b"two", b"three", b"four"]
 
+
+
+def test_a_body_that_comes_late_is_refused_too(held):
+    """The early path sees the head first; the 503 still comes once the body is in, with no thread."""
+    data = post("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 300}]})
+    head, body = data.split(b"\r\n\r\n", 1)
+    with socket.create_connection(("127.0.0.1", held.port), timeout=5) as sock:
+        sock.sendall(head + b"\r\n\r\n" + body[:10])
+        time.sleep(0.3)
+        sock.sendall(body[10:] + post("/v1/completions", {"prompt": "b"}))
+        answers = responses(sock, 2)
+    assert [status for status, _, _ in answers] == [503, 503]
+
+
+@pytest.mark.parametrize("held", ["gevent"], indirect=True)   # NOTE(threads): under gthread /health needs one
+def test_after_an_early_answer_the_connection_goes_on_to_the_app(held):
+    """gevent's early path only peeks at a request it does not answer: the app reads it whole."""
+    with socket.create_connection(("127.0.0.1", held.port), timeout=5) as sock:
+        sock.sendall(post("/v1/completions", {"prompt": "a"})
+                     + b"GET /health HTTP/1.1\r\nHost: t\r\n\r\n"
+                     + post("/v1/completions", {"prompt": "b"}))
+        answers = responses(sock, 3)
+    assert [status for status, _, _ in answers] == [503, 200, 503]
+    assert json.loads(answers[1][2])["queue"]["waiting"] == HELD_WAITING
