@@ -241,9 +241,13 @@ def test_unmatched_routes_share_one_label(client):
 
 # ---- the heap after a load: long-lived objects out of the collector's way ----------------------
 
-def test_a_load_and_an_unload_leave_the_heap_frozen_and_an_unloaded_models_cycles_freed(make_harness):
+def test_a_load_and_an_unload_leave_the_heap_frozen_and_an_unloaded_models_cycles_freed(make_harness, monkeypatch):
     import gc
     import weakref
+
+    from turbospark_wsgi import registry
+
+    monkeypatch.setattr(registry, "_freeze_after_load", True)     # as the server's workers set it
 
     class Cyclic:           # an engine part kept alive only by a cycle once the registry drops it
         pass

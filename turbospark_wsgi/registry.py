@@ -178,7 +178,8 @@ class Registry:
             raise ModelLoadError(_load_failed(name, self._failures[key][1])) from e
         log.info("loaded %s from %s (backend %s)", name, key, engine.backend)
         metrics.record_model_load(model_id, True, time.monotonic() - started)
-        freeze_heap()
+        if _freeze_after_load:
+            freeze_heap()
         return engine
 
     def _make_room(self, name, nbytes):
@@ -200,7 +201,7 @@ class Registry:
                 metrics.record_unload(entry.engine.name)
             self._observe()
             full = self._used() + nbytes > budget
-        if unloaded:
+        if unloaded and _freeze_after_load:
             freeze_heap()           # NOTE(gc): the unloaded model's cycles were frozen with it
         if full:
             raise Overloaded(f"The model '{name}' cannot be loaded now: the models in use fill the memory "
@@ -269,6 +270,16 @@ class Registry:
         return ModelInfo(id=model_id, path=path, loaded=os.path.realpath(path) in self._engines,
                          created=int(_mtime(path)), alias_of=alias_of,
                          kind="embedding" if is_embedding_model(path) else "generation")
+
+
+_freeze_after_load = False
+
+
+def freeze_after_load(enabled=True):
+    """Makes each model load and unload in this process end with freeze_heap(). The server's
+    workers turn it on; a process that embeds the app decides for its own heap."""
+    global _freeze_after_load
+    _freeze_after_load = bool(enabled)
 
 
 def freeze_heap():

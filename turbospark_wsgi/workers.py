@@ -37,7 +37,7 @@ from gunicorn.http.errors import NoMoreData
 from gunicorn.http2 import negotiation
 from gunicorn.workers import ggevent, gthread
 
-from . import compute
+from . import compute, registry
 from .config import Config
 from .refusal import refusal
 
@@ -84,6 +84,7 @@ class ThreadWorker(gthread.ThreadWorker):
     def init_process(self):
         sys.setswitchinterval(SWITCH_INTERVAL)
         reserve_descriptors(self.worker_connections + SPARE_DESCRIPTORS)
+        registry.freeze_after_load()
         super().init_process()
 
     def wait_for_and_dispatch_events(self, timeout):
@@ -316,6 +317,7 @@ class GeventWorker(ggevent.GeventWorker):
     def init_process(self):
         sys.setswitchinterval(SWITCH_INTERVAL)
         reserve_descriptors(self.worker_connections + SPARE_DESCRIPTORS)
+        registry.freeze_after_load()
         super().init_process()
 
     def handle(self, listener, client, addr):
