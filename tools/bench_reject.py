@@ -82,6 +82,8 @@ class Fillers:
         self._stop = threading.Event()
         self._conns = set()
         self._lock = threading.Lock()
+        self.events = 0                 # SSE data events received (about one per token)
+        self.streaming = {}             # thread -> data events of the response it is reading now
         self.threads = [threading.Thread(target=self._loop, daemon=True) for _ in range(count)]
 
     def start(self):
@@ -89,6 +91,15 @@ class Fillers:
             t.start()
             time.sleep(0.02)            # in order: the first ones run, the rest queue
         return self
+
+    def decoding(self, count, timeout=120.0):
+        """Waits until `count` streams have each had 3 data events (their role, then tokens): the
+        compute thread is then decoding, which hands the GIL back and forth far more than a prefill."""
+        deadline = time.monotonic() + timeout
+        while sum(n >= 3 for n in list(self.streaming.values())) < count:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"fewer than {count} streams are decoding")
+            time.sleep(0.05)
 
     def stop(self):
         self._stop.set()
@@ -108,8 +119,16 @@ class Fillers:
                              headers={"Content-Type": "application/json", "Authorization": "Bearer x",
                                       "x-api-key": "x", "anthropic-version": "2023-06-01"})
                 resp = conn.getresponse()
-                while not self._stop.is_set() and resp.read1(65536):
-                    pass
+                me = threading.get_ident()
+                self.streaming[me] = 0
+                while not self._stop.is_set():
+                    chunk = resp.read1(65536)
+                    if not chunk:
+                        break
+                    seen = chunk.count(b"\ndata:") + chunk.startswith(b"data:")
+                    with self._lock:
+                        self.events += seen
+                        self.streaming[me] += seen
                 if resp.status != 200:
                     time.sleep(0.5)     # refused (a place not yet free): try again later
             except (OSError, http.client.HTTPException):
@@ -329,18 +348,40 @@ def measure(port, route, burst_size, slots=8, rounds=1, filler_tokens=4000, time
                       request_body(filler_route, model, filler_tokens, True, "Once upon a time"), places).start()
     try:
         queue = wait_full(port)
+        fillers.decoding(slots)
         payload = raw_request(port, path, request_body(route, model, 16, False, prompt_text(prompt_chars)))
         results, slowest = [], []
+        events, started, gave_way = fillers.events, time.monotonic(), front_door_wait(port)
         for _ in range(rounds):
             wait_full(port)
             shots = burst(port, payload, burst_size, timeout)
             results += shots
             slowest.append(max((r["seconds"] or timeout) * 1000 for r in shots))
+        streamed = (fillers.events - events) / (time.monotonic() - started)
+        gave_way = front_door_wait(port) - gave_way
     finally:
         fillers.stop()
     summary = summarize(results, route)
     summary["slowest_per_burst_ms"] = [round(ms, 1) for ms in slowest]
+    summary["filler_events_per_s"] = round(streamed, 1)
+    summary["compute_gave_way_ms_per_burst"] = round(gave_way * 1000 / max(rounds, 1), 1)
     return summary, results, queue
+
+
+def front_door_wait(port):
+    """turbospark_front_door_wait_seconds_total from /metrics (0 when absent)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    try:
+        conn.request("GET", "/metrics", headers={"Authorization": "Bearer x"})
+        text = conn.getresponse().read().decode()
+    except (OSError, http.client.HTTPException):
+        return 0.0
+    finally:
+        conn.close()
+    for line in text.splitlines():
+        if line.startswith("turbospark_front_door_wait_seconds_total "):
+            return float(line.split()[1])
+    return 0.0
 
 
 def grow_descriptor_table(count):
@@ -385,7 +426,9 @@ def main(argv=None):
           f"{summary['well_formed_503']}/{summary['rejected']}")
     print(f"time to 503 (ms): median {fmt(summary['median_ms'])}  p95 {fmt(summary['p95_ms'])}  "
           f"p99 {fmt(summary['p99_ms'])}  max {fmt(summary['max_ms'])}")
-    print(f"slowest answer of each burst (ms): {summary['slowest_per_burst_ms']}")
+    print(f"slowest answer of each burst (ms): {summary['slowest_per_burst_ms']}; the running streams "
+          f"meanwhile: {summary['filler_events_per_s']} events/s; the compute thread gave way "
+          f"{summary['compute_gave_way_ms_per_burst']} ms a burst")
     print(f"load average before {summary['load_before']}, after {summary['load_after']} ({summary['cpus']} CPUs)")
     if log is not None:
         print(f"server log: {log}")

@@ -6,7 +6,7 @@ import logging
 import falcon
 import falcon.media
 
-from . import compute, refusal
+from . import compute, metrics, refusal
 from .config import Config
 from .errors import (ApiError, EngineError, InvalidRequest, MethodNotAllowed, NotFound, PayloadTooLarge,
                      Unauthorized, UnsupportedMediaType)
@@ -42,6 +42,7 @@ def create_app(config=None, service=None):
     """
     config = config or Config()
     compute.configure(config.compute_nice, config.front_door)
+    compute.front_door().on_wait = metrics.record_front_door_wait
     service = service or Service(config)
     # NOTE(order): CORS answers preflights before auth; its process_response also reaches 401s.
     app = falcon.App(middleware=[RequestContext(config.replica_id, config.body_timeout),

@@ -69,6 +69,7 @@ class FrontDoor:
         self._free_at = 0.0         # the compute thread runs until then before it waits again
         self._last_arrival = float("-inf")
         self.waited = 0.0           # seconds the compute thread gave way, in all
+        self.on_wait = None         # called with each wait's seconds (the app's metrics)
 
     def claim(self):
         self._until = self._clock() + self.HOLD
@@ -97,6 +98,8 @@ class FrontDoor:
             now = self._clock()
         self.waited += now - start
         self._free_at = now + (now - start) * self.RUN_AFTER
+        if self.on_wait is not None:
+            self.on_wait(now - start)
 
 
 _door = None

@@ -53,6 +53,8 @@ MODEL_UNLOADS = Counter("turbospark_model_unloads", "Idle models unloaded to sta
 MODELS_LOADED = Gauge("turbospark_models_loaded", "Models loaded", multiprocess_mode="livesum")
 MODEL_BYTES = Gauge("turbospark_model_memory_bytes", "Estimated bytes of the loaded models",
                     multiprocess_mode="livesum")
+FRONT_DOOR_WAIT = Counter("turbospark_front_door_wait_seconds",
+                          "Time the compute thread gave way to the request loop's bursts (TURBOSPARK_FRONT_DOOR)")
 
 
 def record_request(route, method, status, seconds, generation=None):
@@ -108,6 +110,10 @@ def record_model_load(model, ok, seconds):
 
 def record_unload(model):
     MODEL_UNLOADS.labels(model).inc()
+
+
+def record_front_door_wait(seconds):
+    FRONT_DOOR_WAIT.inc(seconds)
 
 
 def observe_models(count, nbytes):
