@@ -98,7 +98,7 @@ class Fillers:
         deadline = time.monotonic() + timeout
         while sum(n >= 3 for n in list(self.streaming.values())) < count:
             if time.monotonic() > deadline:
-                raise RuntimeError(f"fewer than {count} streams are decoding")
+                raise RuntimeError(f"fewer than {count} streams are decoding: {sorted(self.streaming.values())}")
             time.sleep(0.05)
 
     def stop(self):

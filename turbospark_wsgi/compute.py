@@ -190,10 +190,33 @@ def gevent_patched():
 
 def _make_executor(threads=1, name="turbospark-compute"):
     if gevent_patched():
-        from gevent.threadpool import ThreadPoolExecutor
-        return ThreadPoolExecutor(max_workers=threads)
+        return _FairGeventExecutor(threads)
     from concurrent.futures import ThreadPoolExecutor
     return ThreadPoolExecutor(max_workers=threads, thread_name_prefix=name)
+
+
+class _FairGeventExecutor:
+    """gevent's ThreadPoolExecutor, taken in turn by the greenlets that submit to it.
+
+    NOTE(gevent): the pool lets only as many jobs in as it has threads, behind a semaphore, and a
+    greenlet woken by its job's result takes the permit that job freed before the greenlets already
+    waiting for it are woken. With one compute thread and 8 streams, 3 streams took every step and 5
+    got no token in 12 s (gunicorn gevent, SmolLM2; 8 greenlets on a bare pool: 66, 66, 66, 1, 1, 1,
+    1, 1 jobs). Giving the hub one turn before each submit lets the waiters go first: 18-19 each."""
+
+    def __init__(self, threads):
+        import gevent
+        from gevent.threadpool import ThreadPoolExecutor
+
+        self._pool = ThreadPoolExecutor(max_workers=threads)
+        self._yield = gevent.sleep
+
+    def submit(self, fn, *args, **kwargs):
+        self._yield(0)
+        return self._pool.submit(fn, *args, **kwargs)
+
+    def shutdown(self, *args, **kwargs):
+        return self._pool.shutdown(*args, **kwargs)
 
 
 def lower_priority(nice):
