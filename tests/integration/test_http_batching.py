@@ -64,3 +64,24 @@ def test_a_hostile_neighbour_leaves_the_running_streams_untouched(client, path, 
         assert [f.result() for f in streams] == solo
         reply = hostile.result()
     assert reply.status_code in (200, 400) and "event: error" not in reply.text, reply.text[:300]
+
+
+def test_every_running_stream_advances(client):
+    """No stream waits while its neighbours take every step: when the first of 4 streams has 40
+    tokens, each of the others has at least 10 (gevent once gave 3 of 8 streams every step)."""
+    import threading
+    counts, started = [0] * len(PROMPTS), threading.Barrier(len(PROMPTS))
+    snapshot = []
+
+    def stream(i):
+        started.wait()
+        kw = dict(model="smollm2-135m-instruct", prompt=PROMPTS[i], max_tokens=60, temperature=0,
+                  stream=True, extra_body={"ignore_eos": True})
+        for chunk in client.completions.create(**kw):
+            if chunk.choices:
+                counts[i] += 1
+                if counts[i] == 40 and not snapshot:
+                    snapshot.append(list(counts))
+    with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
+        list(pool.map(stream, range(len(PROMPTS))))
+    assert snapshot and min(snapshot[0]) >= 10, snapshot
