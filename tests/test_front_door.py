@@ -10,7 +10,7 @@ import pytest
 from turbospark_wsgi import compute
 from turbospark_wsgi.engine import yielding
 
-HOLD, MOST, RUN_AFTER = compute.FrontDoor.HOLD, compute.FrontDoor.MOST, compute.FrontDoor.RUN_AFTER
+HOLD, SHARE, SAVED = compute.FrontDoor.HOLD, compute.FrontDoor.SHARE, compute.FrontDoor.SAVED
 
 
 class Clock:
@@ -54,26 +54,27 @@ def test_a_claim_makes_the_compute_thread_wait_until_the_loop_is_quiet(door):
     assert door.clock.slept == []
 
 
-def test_a_claim_renewed_while_waiting_extends_the_wait_up_to_the_limit(door):
+def test_a_claim_renewed_while_waiting_extends_the_wait_up_to_the_saved_budget(door):
     door.claim()
     door.clock.during_sleep = door.claim    # the loop keeps answering: each sleep ends in a new claim
     door()
-    assert door.waited == pytest.approx(MOST)
+    assert door.waited == pytest.approx(SAVED)
 
 
-def test_after_waiting_the_compute_thread_runs_before_it_waits_again(door):
+def test_a_spent_budget_refills_at_its_share_of_the_time(door):
     door.claim()
     door.clock.during_sleep = door.claim
     door()
-    waited = door.waited
-    door.clock.now += RUN_AFTER * waited * 0.9
+    spent = door.waited
+    door.clock.now += 0.01                  # all the time since the last wait began earns SHARE
     door.claim()
     door()
-    assert door.waited == waited            # too soon: it runs on
-    door.clock.now += RUN_AFTER * waited * 0.2
+    assert door.waited - spent == pytest.approx((spent + 0.01) * SHARE)
+    door.clock.now += 100.0                 # a long quiet: the budget is full again, no fuller
     door.claim()
+    before = door.waited
     door()
-    assert door.waited > waited
+    assert door.waited - before == pytest.approx(SAVED)
 
 
 def test_under_a_flood_the_compute_thread_keeps_most_of_its_time(door):
@@ -83,7 +84,7 @@ def test_under_a_flood_the_compute_thread_keeps_most_of_its_time(door):
         door.claim()
         door()
         door.clock.now += 0.001
-    assert door.waited / (door.clock.now - start) <= 1 / (1 + RUN_AFTER) + 0.01
+    assert door.waited / (door.clock.now - start) <= SHARE + SAVED / 10.0 + 1e-9
 
 
 def test_arrivals_claim_only_in_a_burst(door):
@@ -96,7 +97,7 @@ def test_arrivals_claim_only_in_a_burst(door):
     door.arrived()                          # a second one close behind: a burst
     door()
     assert door.waited > 0
-    door.clock.now += MOST * (RUN_AFTER + 1) * 2
+    door.clock.now += SAVED / SHARE
     waited = door.waited
     door.arrived(3)                         # several accepted at once
     door()

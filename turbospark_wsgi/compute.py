@@ -15,8 +15,8 @@ Work that may take long but must not hold the compute thread (compiling a client
 `aside`: on a small pool of its own, at a lower priority still, waited for with a limit.
 
 While the request loop answers a burst (a full server's 503s, many connections at once), the compute
-thread gives way between two layers of its forward pass (`front_door()`, engine/yielding.py): a few
-milliseconds at a time, never more than a fifth of its time.
+thread gives way between two layers of its forward pass (`front_door()`, engine/yielding.py):
+up to 50 ms at once, never more than a fifth of its time.
 """
 import os
 import sys
@@ -51,22 +51,23 @@ class FrontDoor:
     The loop calls `claim()` when it writes a full server's 503 and `arrived(n)` when it accepts
     connections; two arrivals within HOLD seconds are a burst. The compute thread calls the door
     (the engine's yielding gate) between two layers: while a claim is fresh it sleeps, with the GIL
-    and its core given up, until the loop has been quiet for HOLD seconds, at most MOST seconds at a
-    time, and then runs RUN_AFTER times as long as it waited before it waits again. So a burst is
-    answered without a GIL hand-off to the compute thread at every socket call, and a flood of
-    requests takes at most 1 / (1 + RUN_AFTER) of the compute thread's time.
+    and its core given up, until the loop has been quiet for HOLD seconds. Its waits come out of a
+    budget that fills at SHARE seconds a second up to SAVED seconds: a burst gets up to SAVED of
+    the compute thread's time at once, and a flood of requests at most SHARE of it. So a burst is
+    answered without a GIL hand-off to the compute thread at every socket call.
     """
-    # PERF(front-door): measured with tools/bench_reject.py; see the README's tuning section.
+    # PERF(front-door): tools/bench_reject.py; see the README's "A full server says so at once".
     HOLD = 0.002
-    MOST = 0.02
-    RUN_AFTER = 4
+    SHARE = 0.2
+    SAVED = 0.05
 
     def __init__(self, clock=time.monotonic, sleep=None):
         self._clock = clock
         self._sleep = sleep or _native_sleep()
         self._claimed = False
         self._until = 0.0           # the claim ends then, unless renewed
-        self._free_at = 0.0         # the compute thread runs until then before it waits again
+        self._budget = self.SAVED   # seconds the compute thread may still wait
+        self._counted = clock()     # the budget is filled up to then
         self._last_arrival = float("-inf")
         self.waited = 0.0           # seconds the compute thread gave way, in all
         self.on_wait = None         # called with each wait's seconds (the app's metrics)
@@ -89,17 +90,18 @@ class FrontDoor:
         if now >= self._until:
             self._claimed = False
             return
-        if now < self._free_at:
-            return
-        start = now
-        end = now + self.MOST
+        self._budget = min(self.SAVED, self._budget + (now - self._counted) * self.SHARE)
+        self._counted = start = now
+        end = now + self._budget
         while now < min(self._until, end):
             self._sleep(min(self._until, end) - now)
             now = self._clock()
-        self.waited += now - start
-        self._free_at = now + (now - start) * self.RUN_AFTER
-        if self.on_wait is not None:
-            self.on_wait(now - start)
+        waited = now - start
+        if waited > 0:
+            self._budget -= waited
+            self.waited += waited
+            if self.on_wait is not None:
+                self.on_wait(waited)
 
 
 _door = None
