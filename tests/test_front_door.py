@@ -87,21 +87,27 @@ def test_under_a_flood_the_compute_thread_keeps_most_of_its_time(door):
     assert door.waited / (door.clock.now - start) <= SHARE + SAVED / 10.0 + 1e-9
 
 
-def test_arrivals_claim_only_in_a_burst(door):
+def test_arrivals_claim_only_in_a_burst_while_the_server_refuses(door):
+    door.arrived()
+    door.clock.now += HOLD / 2
+    door.arrived(3)                         # a burst, but nothing was refused: a busy server with room
+    door()
+    assert door.waited == 0
+    door.claim()                            # a 503
+    door.clock.now += HOLD * 10
+    door()
     door.arrived()
     door()
     assert door.waited == 0                 # one connection is not a burst
-    door.clock.now += HOLD * 10
-    door.arrived()
     door.clock.now += HOLD / 2
     door.arrived()                          # a second one close behind: a burst
     door()
     assert door.waited > 0
-    door.clock.now += SAVED / SHARE
     waited = door.waited
-    door.arrived(3)                         # several accepted at once
+    door.clock.now += compute.FrontDoor.REFUSING
+    door.arrived(3)                         # no 503 for a while: the server has room again
     door()
-    assert door.waited > waited
+    assert door.waited == waited
 
 
 def test_the_compute_thread_installs_the_door_only_when_configured():

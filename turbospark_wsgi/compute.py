@@ -49,7 +49,8 @@ class FrontDoor:
     """The request loop's claim on the process while it answers a burst.
 
     The loop calls `claim()` when it writes a full server's 503 and `arrived(n)` when it accepts
-    connections; two arrivals within HOLD seconds are a burst. The compute thread calls the door
+    connections; two arrivals within HOLD seconds are a burst, which claims the door while the
+    server is refusing (a 503 in the last REFUSING seconds). The compute thread calls the door
     (the engine's yielding gate) between two layers: while a claim is fresh it sleeps, with the GIL
     and its core given up, until the loop has been quiet for HOLD seconds. Its waits come out of a
     budget that fills at SHARE seconds a second up to SAVED seconds: a burst gets up to SAVED of
@@ -60,6 +61,7 @@ class FrontDoor:
     HOLD = 0.002
     SHARE = 0.2
     SAVED = 0.05
+    REFUSING = 1.0
 
     def __init__(self, clock=time.monotonic, sleep=None):
         self._clock = clock
@@ -68,17 +70,19 @@ class FrontDoor:
         self._until = 0.0           # the claim ends then, unless renewed
         self._budget = self.SAVED   # seconds the compute thread may still wait
         self._counted = clock()     # the budget is filled up to then
-        self._last_arrival = float("-inf")
+        self._last_arrival = self._last_claim = float("-inf")
         self.waited = 0.0           # seconds the compute thread gave way, in all
         self.on_wait = None         # called with each wait's seconds (the app's metrics)
 
     def claim(self):
-        self._until = self._clock() + self.HOLD
+        self._until = self._last_claim = self._clock() + self.HOLD
         self._claimed = True
 
     def arrived(self, count=1):
         now = self._clock()
-        if count > 1 or now - self._last_arrival < self.HOLD:
+        # NOTE(front-door): connections arriving together claim only while the server is refusing
+        # (a 503 within REFUSING seconds): a busy server with room keeps its compute thread.
+        if (count > 1 or now - self._last_arrival < self.HOLD) and now - self._last_claim < self.REFUSING:
             self._until = now + self.HOLD
             self._claimed = True
         self._last_arrival = now
