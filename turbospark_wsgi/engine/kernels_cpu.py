@@ -184,37 +184,42 @@ if AVAILABLE:
                         o[r] = np.float32(np.int32(qj[r])) * db[r]
 
 
+    @njit(fastmath=True, cache=True, nogil=True)
+    def attend_head(qr, keys, vals, g, lo, p, o):   # pragma: no cover - compiled
+        # o [D] = one pre-scaled query head qr [D] over keys/values [n, G, D] of KV head g, lo..p
+        D = qr.shape[0]
+        s = np.empty(p + 1 - lo, np.float32)
+        best = np.float32(-np.inf)
+        for j in range(lo, p + 1):
+            kj = keys[j, g]
+            acc = np.float32(0)
+            for d in range(D):
+                acc += qr[d] * kj[d]
+            s[j - lo] = acc
+            best = max(best, acc)
+        o[:] = 0
+        total = np.float32(0)
+        for j in range(lo, p + 1):
+            e = np.float32(np.exp(s[j - lo] - best))
+            total += e
+            vj = vals[j, g]
+            for d in range(D):
+                o[d] += e * vj[d]
+        for d in range(D):
+            o[d] /= total
+
     @njit(**_JIT)
     def _attend(q, keys, vals, pos0, window, out):   # pragma: no cover - compiled
         # q [R, H, D] pre-scaled; keys, vals [n, G, D] (n >= pos0 + R); out [R, H, D].
         # Row r sits at position p = pos0 + r and reads keys lo..p, lo = max(0, p - window + 1)
         # (window 0: lo = 0); query head h reads KV head h // M.
-        R, H, D = q.shape
+        R, H = q.shape[:2]
         M = H // keys.shape[1]
         for rh in prange(R * H):
             r, h = rh // H, rh % H
             g, p = h // M, pos0 + rh // H
             lo = max(0, p - window + 1) if window > 0 else 0
-            qr, o = q[r, h], out[r, h]
-            s = np.empty(p + 1 - lo, np.float32)
-            best = np.float32(-np.inf)
-            for j in range(lo, p + 1):
-                kj = keys[j, g]
-                acc = np.float32(0)
-                for d in range(D):
-                    acc += qr[d] * kj[d]
-                s[j - lo] = acc
-                best = max(best, acc)
-            o[:] = 0
-            total = np.float32(0)
-            for j in range(lo, p + 1):
-                e = np.float32(np.exp(s[j - lo] - best))
-                total += e
-                vj = vals[j, g]
-                for d in range(D):
-                    o[d] += e * vj[d]
-            for d in range(D):
-                o[d] /= total
+            attend_head(q[r, h], keys, vals, g, lo, p, out[r, h])
 
 
 def attend(q, keys, vals, pos, window=0):
@@ -260,6 +265,10 @@ class QLinear:
         kernels compute every row on its own, with the same code for any count."""
         return self._matmul(x, "gemv")
 
+    def use_threads(self, rows):
+        """Sets the calling thread's numba threads as a product of `rows` rows with this weight does."""
+        _use_threads(_threads_for(rows, self.w, self.threads))
+
     def _matmul(self, x, path):
         x = np.asarray(x, dtype=np.float32)
         lead = x.shape[:-1]
@@ -271,7 +280,7 @@ class QLinear:
             # PERF(dispatch): the common case (one part, no padding rows) straight to its kernel,
             # what qmatmul would do with a few Python steps less for each of a token's ~120 products
             x, y = np.ascontiguousarray(x), np.empty((x.shape[0], p.n), np.float32)
-            _use_threads(_threads_for(x.shape[0], self.w, self.threads))
+            self.use_threads(x.shape[0])
             kernels_q8.matmul(x, p, y)
         else:
             y = qmatmul(x, self.w, threads=self.threads, path=path)

@@ -244,7 +244,8 @@ if AVAILABLE:
 
 
     @njit(cache=True, nogil=True)
-    def _product(x, qv, d, m, y):   # pragma: no cover - compiled
+    def product(x, qv, d, m, y):   # pragma: no cover - compiled
+        # y [B, n] = x [B, K] times the weight (qv, d, m as _matmul_i8 takes them), x's rows quantized
         # PERF(dispatch): quantizing inside the one call saves a dispatch and four arrays a product
         B, K = x.shape
         q = np.empty((B, K), np.int8)
@@ -266,7 +267,7 @@ def quantize(x):
 
 def matmul(x, p, y):
     """y [B, T*R] = x (float32 [B, K], C-contiguous) times QWeight p, with x's rows quantized to int8."""
-    _product(x, prepare(p), p.d, _NO_MINS if p.m is None else p.m, y)
+    product(x, prepare(p), p.d, NO_MINS if p.m is None else p.m, y)
 
 
-_NO_MINS = np.zeros((0, 0, 0), np.float32)
+NO_MINS = np.zeros((0, 0, 0), np.float32)

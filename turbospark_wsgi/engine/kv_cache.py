@@ -45,16 +45,20 @@ class KVCache:
             raise ValueError(f"cannot truncate a cache of length {self.length} to {n}")
         self.length = n
 
+    def reserve(self, end, n=0):
+        """Makes the buffers hold positions up to `end` (and `n`); past max_seq raises ValueError."""
+        if end > self.max_seq:
+            raise ValueError(f"KV cache overflow: position {end - 1} does not fit in {self.max_seq}")
+        if max(end, n) > self.capacity:
+            self._grow(max(end, n))
+
     def update(self, layer, pos, k, v, span=0):
         """Stores k, v `[T, n_kv_head, head_dim]` at positions pos..pos+T-1 of `layer` and returns
         that layer's keys and values for positions 0..max(pos+T, span)-1 (views, `[n, n_kv_head,
         head_dim]`). Positions past pos+T hold zeros or stale, finite values: callers mask them."""
         end = pos + k.shape[0]
-        if end > self.max_seq:
-            raise ValueError(f"KV cache overflow: position {end - 1} does not fit in {self.max_seq}")
         n = min(max(end, span), self.max_seq)
-        if n > self.capacity:
-            self._grow(n)
+        self.reserve(end, n)
         self.k[layer, pos:end] = k
         self.v[layer, pos:end] = v
         return self.k[layer, :n], self.v[layer, :n]
