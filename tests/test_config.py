@@ -54,10 +54,12 @@ def test_engine_settings_reach_the_engine_as_options():
                          "TURBOSPARK_SINGLE_ROW_THREADS": "1", "TURBOSPARK_MAX_CONTEXT": "512",
                          "TURBOSPARK_PREFILL_CHUNK": "32", "TURBOSPARK_MAX_BATCH": "4", "TURBOSPARK_MAX_PAUSED": "0",
                          "TURBOSPARK_COMPUTE_NICE": "0", "TURBOSPARK_ACTIVATIONS": "Float32",
-                         "TURBOSPARK_ENCODER_THREADS": "2", "TURBOSPARK_INT8_VNNI": "0"})
+                         "TURBOSPARK_ENCODER_THREADS": "2", "TURBOSPARK_INT8_VNNI": "0",
+                         "TURBOSPARK_FUSED_LAYERS": "0"})
     assert c.engine_options() == EngineOptions(device="cpu", weights="fp32", max_context=512, prefill_chunk=32,
                                                max_batch=4, max_paused=0, gemv_max_b=64, single_row_threads=1,
-                                               activations="float32", encoder_threads=2, int8_vnni=False)
+                                               activations="float32", encoder_threads=2, int8_vnni=False,
+                                               fused_layers=False)
     assert c.compute_nice == 0 and Config().compute_nice == 5
 
 

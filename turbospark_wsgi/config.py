@@ -24,7 +24,8 @@ class Config:
     `Config()` gives the defaults; `Config.from_env()` reads `TURBOSPARK_*` variables:
     MODELS (models dir), MODEL (default model id, alias or path), DEVICE (auto|cpu|cuda),
     WEIGHTS (auto|quant|fp32), ACTIVATIONS (int8|float32), GEMV_MAX_B and SINGLE_ROW_THREADS (CPU
-    kernel tuning), INT8_VNNI (1 or 0), ENCODER_THREADS (BLAS threads of an embedding encoder),
+    kernel tuning), INT8_VNNI (1 or 0), FUSED_LAYERS (1 or 0: each layer one CPU kernel call, or the
+    step-by-step path), ENCODER_THREADS (BLAS threads of an embedding encoder),
     COMPUTE_NICE (nice increment of the compute thread, 0 = unchanged), FRONT_DOOR (1 or 0: the
     compute thread gives way between layers while the request loop answers a burst),
     MAX_WAITING (queued requests before 503), QUEUE_TIMEOUT (s, 0 = wait forever),
@@ -56,6 +57,7 @@ class Config:
     activations: str = "int8"
     encoder_threads: int = _ENGINE.encoder_threads
     int8_vnni: bool = _ENGINE.int8_vnni
+    fused_layers: bool = _ENGINE.fused_layers
     compute_nice: int = DEFAULT_NICE
     front_door: bool = True
     max_waiting: int = 16
@@ -138,7 +140,7 @@ class Config:
                              prefill_chunk=self.prefill_chunk, max_batch=self.max_batch, max_paused=self.max_paused,
                              gemv_max_b=self.gemv_max_b, single_row_threads=self.single_row_threads,
                              activations=self.activations, encoder_threads=self.encoder_threads,
-                             int8_vnni=self.int8_vnni)
+                             int8_vnni=self.int8_vnni, fused_layers=self.fused_layers)
 
     def __repr__(self):
         # NOTE(secrets): keys never reach a log line through a repr of the config.

@@ -210,6 +210,13 @@ def test_family_reply_is_reused_exactly(family_engine):
     batching.test_a_reply_is_reused_like_prompt_tokens_and_the_next_turn_equals_a_cold_run(family_engine)
 
 
+def test_family_fused_layers_follow_the_step_by_step_path(family_engine, monkeypatch):
+    """Biases, q/k norms, partial rotary, post norms, GELU and windows in the one-call layer kernel."""
+    fused = _module("kernels_layer_families", "test_kernels_layer.py")
+    monkeypatch.setattr(fused.kernels_cpu, "ACTIVATIONS", "int8")
+    fused.assert_fused_follows_step_by_step(family_engine.model, monkeypatch, prompt=parity.PROMPT)
+
+
 def test_family_engine_generates(family_engine):
     from turbospark_wsgi.engine import SamplingParams
     prompt = family_engine.encode("the cat", add_bos=True)

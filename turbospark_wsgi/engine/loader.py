@@ -66,6 +66,8 @@ def _load(path, options):
         # NOTE(cold-start): the kernels compile (or load from numba's cache) here, so a server says
         # it is ready only once its first request runs at full speed
         kernels_cpu.warmup()
+        if model.fused:
+            model.warm_layers()
     return LoadedModel(cfg, model, metadata, kind, path, backend.name, backend.reason)
 
 

@@ -1,7 +1,7 @@
 """The transformer forward pass (llama family), written against an array module `xp`."""
 import numpy as np
 
-from . import kernels_cpu, yielding
+from . import kernels_cpu, kernels_layer, yielding
 from .backend import to_host
 from .kv_cache import KVCache
 
@@ -31,6 +31,19 @@ class Transformer:
         self._masks = {}
         self._rows_exact = None
         self._rope_table(min(cfg.max_seq_len, 4096))                   # grows on demand
+        self._layer_args = None     # kernels_layer.layer_args of every layer, built on first use; False: none
+
+    @property
+    def fused(self):
+        """Whether this call runs each layer as one kernel (kernels_layer): numpy backend, int8
+        activations, every product one part on the int8 kernels, and the switch on. Prompts and
+        decode steps alike, so positions keep the same bits either way they were computed."""
+        if not (kernels_layer.ENABLED and kernels_cpu.ACTIVATIONS == "int8" and self.xp is np):
+            return False
+        if self._layer_args is None:
+            args = [kernels_layer.layer_args(self.cfg, lw) for lw in self.w.layers]
+            self._layer_args = False if None in args else args
+        return self._layer_args is not False
 
     @property
     def fused_attention(self):
@@ -81,17 +94,33 @@ class Transformer:
         `row_exact` runs the products on `rows_matmul`, so each position's K/V bits do not depend on
         how the prompt was cut into calls (where `rows_exact`)."""
         c, w, xp = self.cfg, self.w, self.xp
-        mm = rows_matmul if row_exact else _plain_matmul
         ids = np.asarray(tokens, dtype=np.int64).reshape(-1)
-        T, pos, H, G = len(ids), cache.length, c.n_head, c.n_kv_head
+        T, pos = len(ids), cache.length
         if logits not in ("last", "all", "none", "hidden"):
             raise ValueError(f"logits must be 'last', 'all', 'none' or 'hidden', not {logits!r}")
         if T == 0 or pos + T > cache.max_seq:
             raise ValueError(f"cannot run {T} tokens at position {pos} with a cache of {cache.max_seq}")
+        x = self._embed(ids)                                            # [T, dim]
+        if self.fused:
+            self._fused_layers(x, np.zeros(T, np.int64), np.arange(pos, pos + T, dtype=np.int64), [cache], [pos + T])
+        else:
+            self._prompt_layers(x, pos, cache, rows_matmul if row_exact else _plain_matmul)
+        cache.length = pos + T
+        if logits == "none":
+            return None
+        if logits == "hidden":
+            return to_host(rms_norm(x, w.norm, c.norm_eps, xp))        # [T, dim]
+        x = x[-1:] if logits == "last" else x                           # [1 or T, dim]
+        out = self._cap(to_host(rms_norm(x, w.norm, c.norm_eps, xp) @ w.head))   # [1 or T, vocab]
+        return out[0] if logits == "last" else out
+
+    def _prompt_layers(self, x, pos, cache, mm):
+        """`forward`'s layers step by step on x `[T, dim]` (in place) at positions pos.., products by `mm`."""
+        c, w, xp = self.cfg, self.w, self.xp
+        T, H, G = len(x), c.n_head, c.n_kv_head
         ropes = [tuple(t[pos:pos + T] for t in self._rope_table(pos + T, k))   # [T, 1, rope_dim/2] x2
                  for k in range(len(self._inv_freqs))]
         span = -(-(pos + T) // ATTN_BLOCK) * ATTN_BLOCK                 # end of the last row's block
-        x = self._embed(ids)                                            # [T, dim]
         for i, lw in enumerate(w.layers):
             yielding.point()                                            # NOTE(front-door): see yielding.py
             h = rms_norm(x, lw.attn_norm, c.norm_eps, xp)               # [T, dim]
@@ -103,26 +132,31 @@ class Transformer:
             h = rms_norm(x, lw.ffn_norm, c.norm_eps, xp)                # [T, dim]
             g = self._gate(mm(h, lw.w_gate_up, xp))                     # [T, ffn_dim]
             x += self._post(mm(g, lw.w_down, xp), lw.post_ffn_norm)     # [T, dim]  residual
-        cache.length = pos + T
-        if logits == "none":
-            return None
-        if logits == "hidden":
-            return to_host(rms_norm(x, w.norm, c.norm_eps, xp))        # [T, dim]
-        x = x[-1:] if logits == "last" else x                           # [1 or T, dim]
-        out = self._cap(to_host(rms_norm(x, w.norm, c.norm_eps, xp) @ w.head))   # [1 or T, vocab]
-        return out[0] if logits == "last" else out
 
     def decode_batch(self, tokens, caches):
         """One decode step for B sequences: token b runs at position caches[b].length of its own
         cache, which advances by one. Returns host float32 logits [B, vocab].
 
         NOTE(exact-batching): every matmul is a stack of B single-row products and attention runs
-        per sequence, so row b is bit-for-bit what a batch of one computes: batching never changes
-        a sequence's output."""
+        per sequence (every other step row by row), so row b is bit-for-bit what a batch of one
+        computes: batching never changes a sequence's output."""
         c, w, xp = self.cfg, self.w, self.xp
         ids = np.asarray(tokens, dtype=np.int64).reshape(-1)
-        B, H, G, D = len(ids), c.n_head, c.n_kv_head, c.head_dim
+        B = len(ids)
         pos = [cache.length for cache in caches]
+        if self.fused:
+            at = np.asarray(pos, np.int64)
+            x = self._fused_layers(self._embed(ids), np.arange(B, dtype=np.int64), at, caches, at + 1)[:, None]
+        else:
+            x = self._decode_layers(ids, pos, caches)                   # [B, 1, dim]
+        for b, cache in enumerate(caches):
+            cache.length = pos[b] + 1
+        return self._cap(to_host(rms_norm(x, w.norm, c.norm_eps, xp) @ w.head)[:, 0])   # [B, vocab]
+
+    def _decode_layers(self, ids, pos, caches):
+        """`decode_batch`'s layers step by step: token b at position pos[b] of caches[b] -> x `[B, 1, dim]`."""
+        c, w, xp = self.cfg, self.w, self.xp
+        B, H, G, D = len(ids), c.n_head, c.n_kv_head, c.head_dim
         at = xp.asarray(np.asarray(pos, dtype=np.int64))
         ropes = [tuple(t[at] for t in self._rope_table(max(pos) + 1, k))   # [B, 1, rope_dim/2] x2
                  for k in range(len(self._inv_freqs))]
@@ -139,9 +173,28 @@ class Transformer:
             x += self._post(att @ lw.wo, lw.post_attn_norm)             # [B, 1, dim]  residual
             h = rms_norm(x, lw.ffn_norm, c.norm_eps, xp)                # [B, 1, dim]
             x += self._post(self._gate(h @ lw.w_gate_up) @ lw.w_down, lw.post_ffn_norm)   # [B, 1, dim]
-        for b, cache in enumerate(caches):
-            cache.length = pos[b] + 1
-        return self._cap(to_host(rms_norm(x, w.norm, c.norm_eps, xp) @ w.head)[:, 0])   # [B, vocab]
+        return x
+
+    def _fused_layers(self, x, seq, at, caches, ends):
+        """Runs every layer on x `[R, dim]` (in place) as one kernel call each: row r is position
+        at[r] of caches[seq[r]], whose K/V it stores; caches[s] is first made to hold ends[s]
+        positions. Returns x."""
+        for cache, end in zip(caches, ends):
+            cache.reserve(int(end))
+        kv = kernels_layer.addresses(caches)
+        ropes = [self._rope_table(int(at.max()) + 1, k) for k in range(len(self._inv_freqs))]
+        self.w.layers[0].wqkv.use_threads(len(x))
+        for i, args in enumerate(self._layer_args):
+            yielding.point()                                            # NOTE(front-door): see yielding.py
+            kernels_layer.layer(x, seq, at, kv, i, self._layer_window[i], *ropes[self._layer_rope[i]], *args)
+        return x
+
+    def warm_layers(self):
+        """Compiles (or loads from numba's cache) the fused layer kernel: one token through the
+        first layer into a scratch cache, outside any forward pass (so no yielding gate is asked)."""
+        one, cache = np.zeros(1, np.int64), self.new_cache(1)
+        kernels_layer.layer(self._embed(one), one, one, kernels_layer.addresses([cache]), 0, self._layer_window[0],
+                            *self._rope_table(1, self._layer_rope[0]), *self._layer_args[0])
 
     def _heads(self, qkv, lw, rows):
         """The q|k|v product `[rows, (H+2G)*D]` (any leading shape) as heads `[rows, H+2G, D]`, with

@@ -26,6 +26,7 @@ class EngineOptions:
     activations: str | None = None
     encoder_threads: int = 1        # BLAS threads of an embedding encoder's products (encoder.py)
     int8_vnni: bool = True          # AVX-512 VNNI integer dots where the CPU has them (kernels_q8)
+    fused_layers: bool = True       # int8 on the CPU: each layer one kernel call (kernels_layer); off: step by step
 
     def __post_init__(self):       # the device is checked where it is chosen (backend.select_backend)
         if self.weights not in WEIGHTS:
@@ -44,7 +45,8 @@ def resolve(options, overrides):
 def apply(options):
     """Puts the options' process-wide settings in force: the CPU kernels' thresholds and how their
     threads wait. Called by load_model before any kernel runs."""
-    from . import kernels_cpu, kernels_q8
+    from . import kernels_cpu, kernels_layer, kernels_q8
     kernels_q8.use_vnni(options.int8_vnni)
+    kernels_layer.configure(options.fused_layers)
     kernels_cpu.configure(gemv_max_b=options.gemv_max_b, single_row_threads=options.single_row_threads,
                           activations=options.activations or kernels_cpu.ACTIVATIONS)

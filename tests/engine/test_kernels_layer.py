@@ -1,0 +1,107 @@
+"""The fused layer kernel (kernels_layer): its pieces against the numpy steps, the whole layer stack
+against the step-by-step path, and the exactness the prefix cache and batching rely on."""
+import numpy as np
+import pytest
+
+from turbospark_wsgi.engine import kernels_cpu, kernels_layer
+from turbospark_wsgi.engine.kv_cache import KVCache
+from turbospark_wsgi.engine.loader import load_model
+from turbospark_wsgi.engine.model import gelu_tanh_gate, rms_norm, swiglu
+
+pytestmark = pytest.mark.skipif(not kernels_layer.AVAILABLE, reason="numba is not installed")
+
+
+@pytest.fixture(autouse=True)
+def _int8_fused(monkeypatch):
+    monkeypatch.setattr(kernels_cpu, "ACTIVATIONS", "int8")
+    monkeypatch.setattr(kernels_layer, "ENABLED", True)
+
+
+def step_by_step(model, fn, monkeypatch):
+    with monkeypatch.context() as m:
+        m.setattr(kernels_layer, "ENABLED", False)
+        assert not model.fused
+        return fn()
+
+
+def test_norm_and_gates_match_the_numpy_steps():
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal((3, 80)) * [[1.0], [1e-3], [300.0]]).astype(np.float32)   # 80: a ragged lane tail
+    w = rng.standard_normal(80).astype(np.float32)
+    got = np.empty_like(x)
+    kernels_layer._norm_rows(x, w, np.float32(1e-5), got)
+    assert np.allclose(got, rms_norm(x, w, 1e-5, np), rtol=2e-6, atol=1e-6)
+    gu = np.concatenate([rng.standard_normal((2, 40)) * 6, rng.standard_normal((2, 40))], axis=1).astype(np.float32)
+    gu[0, :6] = [-200.0, -90.0, -9.0, 0.0, 9.0, 90.0]                   # past both ends of exp's range
+    g, u = gu[:, :40].astype(np.float64), gu[:, 40:].astype(np.float64)
+    with np.errstate(over="ignore"):
+        silu = g / (1.0 + np.exp(-g)) * u
+    gelu = 0.5 * g * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (g + 0.044715 * g ** 3))) * u
+    for flag, ref, numpy_step in ((False, silu, swiglu), (True, gelu, gelu_tanh_gate)):
+        out = np.empty((2, 40), np.float32)
+        kernels_layer._gate_rows(gu, flag, out)
+        assert np.allclose(out, ref, rtol=2e-6, atol=1e-6), flag
+        assert np.allclose(out, numpy_step(gu, 40, np), rtol=2e-6, atol=1e-6), flag
+
+
+def fused_and_step_by_step(model, prompt, steps, monkeypatch):
+    def run():
+        cache = model.new_cache(64)
+        logits = [model.forward(prompt, cache, logits="all")]
+        logits += [model.decode_batch([t], [cache]) for t in steps]
+        return np.concatenate(logits), cache
+    assert model.fused
+    return run(), step_by_step(model, run, monkeypatch)
+
+
+def assert_fused_follows_step_by_step(model, monkeypatch, prompt=(1, 40, 72, 101, 108, 108, 111, 260, 263, 32)):
+    """Without an int8 rounding flip (none on these tiny models) the two paths agree to float32 noise."""
+    (new, cache_new), (old, cache_old) = fused_and_step_by_step(model, list(prompt), [5, 6, 7], monkeypatch)
+    n = cache_new.length
+    assert n == cache_old.length == len(prompt) + 3
+    assert np.abs(new - old).max() < 1e-4
+    assert np.abs(cache_new.k[:, :n] - cache_old.k[:, :n]).max() < 1e-4
+    assert np.abs(cache_new.v[:, :n] - cache_old.v[:, :n]).max() < 1e-4
+
+
+def test_llama_layers_follow_the_step_by_step_path(tiny_gguf, monkeypatch):
+    assert_fused_follows_step_by_step(load_model(tiny_gguf(qtype="Q8_0").path, device="cpu").model, monkeypatch)
+
+
+def test_layers_fuse_only_with_int8_activations_on_the_int8_kernels(tiny_gguf, monkeypatch):
+    model = load_model(tiny_gguf(qtype="Q8_0").path, device="cpu").model
+    assert model.fused
+    monkeypatch.setattr(kernels_cpu, "ACTIVATIONS", "float32")
+    assert not model.fused                                             # float32 stays the reference path
+    assert not load_model(tiny_gguf(qtype="F32").path, device="cpu").model.fused
+
+
+def test_a_prompt_cut_anywhere_and_decode_steps_give_the_same_bits(tiny_gguf, monkeypatch):
+    """Every row on its own, across a cache that grows during the calls."""
+    monkeypatch.setattr(KVCache, "INITIAL", 16)
+    model = load_model(tiny_gguf(qtype="Q8_0").path, device="cpu").model
+    ids = list(np.random.default_rng(3).integers(0, model.cfg.vocab_size, 40))
+    whole_cache = model.new_cache(64)
+    whole = model.forward(ids, whole_cache, logits="all")
+    cache = model.new_cache(64)
+    pieces = [model.forward(ids[a:b], cache, logits="all") for a, b in ((0, 7), (7, 20), (20, 21))]
+    pieces += [model.decode_batch([t], [cache]) for t in ids[21:]]
+    assert np.array_equal(np.concatenate(pieces), whole)
+    assert np.array_equal(cache.k[:, :40], whole_cache.k[:, :40])
+    assert np.array_equal(cache.v[:, :40], whole_cache.v[:, :40])
+
+
+def test_batched_rows_at_other_depths_equal_solo_rows(tiny_gguf):
+    model = load_model(tiny_gguf(qtype="Q8_0").path, device="cpu").model
+    prompts = [[1, 40, 72], [1, 101, 108, 108, 111, 260, 263, 32, 119], [5]]
+
+    def caches():
+        out = [model.new_cache(32) for _ in prompts]
+        for p, c in zip(prompts, out):
+            model.forward(p, c, logits="none")
+        return out
+    solo = [model.decode_batch([9], [c])[0] for c in caches()]
+    together = caches()
+    batched = model.decode_batch([9, 9, 9], together)
+    assert all(np.array_equal(a, b) for a, b in zip(batched, solo))
+    assert [c.length for c in together] == [len(p) + 1 for p in prompts]
