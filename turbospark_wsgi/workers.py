@@ -347,7 +347,7 @@ class GeventWorker(ggevent.GeventWorker):
         client.setblocking(1)
         while True:
             data = None
-            with gevent.Timeout(self.cfg.keepalive, False):
+            with gevent.Timeout(self.cfg.keepalive or None, False):     # NOTE(keepalive): 0 = wait
                 try:
                     data = client.recv(_PEEK, socket.MSG_PEEK)
                 except OSError:
@@ -362,7 +362,11 @@ class GeventWorker(ggevent.GeventWorker):
             end = head_end + (body_length(data[:head_end]) or 0)
             if end > len(data):
                 return False                # the body is not all in: the parser's turn (handle_request)
-            answer = early.answer(method, path, fields, addr)
+            try:
+                answer = early.answer(method, path, fields, addr)
+            except Exception:       # noqa: BLE001 - the app's own path then answers, and logs it
+                self.log.exception("the early answer failed; the app answers instead")
+                return False
             if answer is None:
                 return False
             compute.front_door().claim()
@@ -431,7 +435,7 @@ class GeventWorker(ggevent.GeventWorker):
 
         client, unreader = self.connections.get(gevent.getcurrent(), (None, None))
         if client is None:
-            with gevent.Timeout(self.cfg.keepalive, False):
+            with gevent.Timeout(self.cfg.keepalive or None, False):     # NOTE(keepalive): 0 = wait
                 yield
             return
         buffered = unreader is not None and unreader.buf.getbuffer().nbytes > 0
