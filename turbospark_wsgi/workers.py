@@ -65,7 +65,19 @@ _FIELD = re.compile(rb"([!#$%&'*+.^_`|~0-9A-Za-z-]+):[ \t]*([!-~](?:[ -~\t]*[!-~
 _WAIT, _READY, _EXPIRED, _CLOSED = "wait", "ready", "expired", "closed"
 
 
-class ThreadWorker(gthread.ThreadWorker):
+class _ProcessSetup:
+    """What both workers set in their process before gunicorn's own init, while it has one thread:
+    the GIL switch interval, a descriptor table grown for their connections, and the heap frozen
+    after each model load (registry.freeze_after_load)."""
+
+    def init_process(self):
+        sys.setswitchinterval(SWITCH_INTERVAL)
+        reserve_descriptors(self.worker_connections + SPARE_DESCRIPTORS)
+        registry.freeze_after_load()
+        super().init_process()
+
+
+class ThreadWorker(_ProcessSetup, gthread.ThreadWorker):
     """gthread that dispatches a request to a thread only when its head and body are buffered."""
 
     def __init__(self, *args, **kwargs):
@@ -80,12 +92,6 @@ class ThreadWorker(gthread.ThreadWorker):
         self.lingering = set()
         self.seq = itertools.count()
         self.unlogged = []                  # early answers sent on this turn of the loop, to log after it
-
-    def init_process(self):
-        sys.setswitchinterval(SWITCH_INTERVAL)
-        reserve_descriptors(self.worker_connections + SPARE_DESCRIPTORS)
-        registry.freeze_after_load()
-        super().init_process()
 
     def wait_for_and_dispatch_events(self, timeout):
         """One turn of the loop; the access lines of early answers wait for a turn that wrote none
@@ -303,7 +309,7 @@ class ThreadWorker(gthread.ThreadWorker):
             util.close(sock)
 
 
-class GeventWorker(ggevent.GeventWorker):
+class GeventWorker(_ProcessSetup, ggevent.GeventWorker):
     """gevent whose connections idle for the keep-alive time, then send a head within the limit."""
 
     def __init__(self, *args, **kwargs):
@@ -313,12 +319,6 @@ class GeventWorker(ggevent.GeventWorker):
         # NOTE(capacity): each connection is a greenlet and a socket buffer, so slow clients
         # cannot use up the pool before their timeouts end them.
         self.unlogged = []                  # early answers sent, their access lines not yet written
-
-    def init_process(self):
-        sys.setswitchinterval(SWITCH_INTERVAL)
-        reserve_descriptors(self.worker_connections + SPARE_DESCRIPTORS)
-        registry.freeze_after_load()
-        super().init_process()
 
     def handle(self, listener, client, addr):
         import gevent
