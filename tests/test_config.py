@@ -19,7 +19,8 @@ def test_config_defaults_and_env():
     c = Config.from_env({"TURBOSPARK_MODELS": "~/m", "TURBOSPARK_MAX_WAITING": "3", "TURBOSPARK_DEVICE": "CPU",
                          "TURBOSPARK_API_KEYS": "a, b,,", "TURBOSPARK_QUEUE_TIMEOUT": "2.5",
                          "TURBOSPARK_WORKER_CLASS": "gevent", "TURBOSPARK_PORT": "9000",
-                         "TURBOSPARK_MAX_PAUSED": "2"})
+                         "TURBOSPARK_MAX_PAUSED": "2", "TURBOSPARK_FRONT_DOOR": "off"})
+    assert Config().front_door and not c.front_door
     assert c.models_dir == os.path.expanduser("~/m") and c.max_waiting == 3 and c.device == "cpu"
     assert c.api_keys == ("a", "b") and c.queue_timeout == 2.5 and c.worker_class == "gevent" and c.port == 9000
     assert c.threads == 3 + 8 + 2 + 4 and c.max_paused == 2
@@ -40,6 +41,9 @@ def test_config_defaults_and_env():
     ({"TURBOSPARK_COMPUTE_NICE": "-5"}, "TURBOSPARK_COMPUTE_NICE must be >= 0"),
     ({"TURBOSPARK_ACTIVATIONS": "int4"}, "TURBOSPARK_ACTIVATIONS must be one of int8, float32"),
     ({"TURBOSPARK_ENCODER_THREADS": "0"}, "TURBOSPARK_ENCODER_THREADS must be >= 1"),
+    ({"TURBOSPARK_FRONT_DOOR": "maybe"}, "TURBOSPARK_FRONT_DOOR must be true or false"),
+    ({"TURBOSPARK_FRONT_DOOR": "\ud800"}, "TURBOSPARK_FRONT_DOOR must be true or false"),
+    ({"TURBOSPARK_FUSED_LAYERS": "2"}, "TURBOSPARK_FUSED_LAYERS must be true or false"),
 ])
 def test_config_errors_name_the_variable(env, words):
     with pytest.raises(ConfigError) as e:
