@@ -22,27 +22,18 @@ sequence's K buffer address, V buffer address and capacity (buffers float32 C-co
 """
 import numpy as np
 
-from . import kernels_cpu, kernels_q8
+from . import isa, kernels_cpu, kernels_q8
 
 try:
     import numba
     from llvmlite import ir
-    from numba import carray, njit, prange
+    from numba import carray, literally, njit, prange
     from numba.core import types
     from numba.extending import intrinsic
 except ImportError:            # pragma: no cover - exercised only where numba is absent
     numba = None
 
 AVAILABLE = numba is not None and kernels_q8.AVAILABLE
-# Whether models run their layers on `layer` where they can (EngineOptions.fused_layers,
-# TURBOSPARK_FUSED_LAYERS); set by `configure`, read per call by the model.
-ENABLED = True
-
-
-def configure(enabled=True):
-    """Whether models run their layers fused from the next call on (EngineOptions.fused_layers)."""
-    global ENABLED
-    ENABLED = bool(enabled)
 
 
 if AVAILABLE:
@@ -182,15 +173,16 @@ if AVAILABLE:
 
     @njit(**_JIT)
     def layer(x, seq, pos, kv, li, window, cos, sin, eps, gelu, H, G, D,
-              norms, bqkv, qk_norm, qvs, ds, ms):   # pragma: no cover - compiled
+              norms, bqkv, qk_norm, qvs, ds, ms, isa_id):   # pragma: no cover - compiled
         # x [R, dim] in place. norms [2 or 4, dim]: the attention and MLP norms, then the post norms
         # where the model has them; bqkv [(H+2G)*D] or [0]; qvs/ds/ms: wqkv, wo, w_gate_up, w_down as
-        # kernels_q8.product takes them
+        # kernels_q8.product takes them; isa_id: the integer dots' instruction path (isa.IDS)
+        literally(isa_id)
         R, dim = x.shape
         h = np.empty_like(x)
         _norm_rows(x, norms[0], eps, h)
         qkv = np.empty((R, (H + 2 * G) * D), np.float32)
-        kernels_q8.product(h, qvs[0], ds[0], ms[0], qkv)
+        kernels_q8.product(h, qvs[0], ds[0], ms[0], qkv, isa_id)
         for r in range(R if bqkv.shape[0] else 0):
             qr = qkv[r]
             for j in range(qr.shape[0]):
@@ -198,15 +190,29 @@ if AVAILABLE:
         _heads_to_cache(qkv, seq, pos, kv, li, cos, sin, qk_norm, eps, H, G, D)
         att = np.empty((R, H * D), np.float32)
         _attend_rows(qkv, seq, pos, kv, li, window, H, G, D, att)
-        kernels_q8.product(att, qvs[1], ds[1], ms[1], h)
+        kernels_q8.product(att, qvs[1], ds[1], ms[1], h, isa_id)
         _residual(x, h, norms, 2, eps)
         _norm_rows(x, norms[1], eps, h)
         gu = np.empty((R, ds[2].shape[0] * ds[2].shape[2]), np.float32)
-        kernels_q8.product(h, qvs[2], ds[2], ms[2], gu)
+        kernels_q8.product(h, qvs[2], ds[2], ms[2], gu, isa_id)
         a = np.empty((R, gu.shape[1] // 2), np.float32)
         _gate_rows(gu, gelu, a)
-        kernels_q8.product(a, qvs[3], ds[3], ms[3], h)
+        kernels_q8.product(a, qvs[3], ds[3], ms[3], h, isa_id)
         _residual(x, h, norms, 3, eps)
+
+if AVAILABLE:
+    def _layer_on(isa_id):
+        """`layer` with its integer dots' instruction path fixed (see kernels_q8._product_on)."""
+        @njit(**_JIT)
+        def layer_on(x, seq, pos, kv, li, window, cos, sin, eps, gelu, H, G, D,
+                     norms, bqkv, qk_norm, qvs, ds, ms):   # pragma: no cover - compiled
+            layer(x, seq, pos, kv, li, window, cos, sin, eps, gelu, H, G, D, norms, bqkv, qk_norm, qvs, ds, ms, isa_id)
+        return layer_on
+
+    # the layer kernel per instruction path (isa.PATHS): LAYER[path](x, seq, pos, kv, li, window, cos,
+    # sin, *layer_args(cfg, lw))
+    LAYER = {path: _layer_on(isa.IDS[path]) for path in isa.PATHS}
+
 
 def layer_args(cfg, lw):
     """The per-layer arguments of `layer` after `sin` for LayerWeights `lw`, or None where a
