@@ -128,6 +128,15 @@ def cmd_models(args):
         kind = "embedding" if is_embedding_model(str(path)) else "generation"
         print(f"{model_id}\t{size / 2**20:.1f} MiB\t{path}\t{','.join(model_capabilities(kind))}\t"
               f"{weight_storage(str(path))}")
+    if rows:
+        print(f"CPU kernels (TURBOSPARK_ACTIVATIONS, TURBOSPARK_INT8_ISA): {_kernels()}")
+
+
+def _kernels():
+    """What a model loaded with the environment's settings runs on this CPU, and why."""
+    from .config import Config
+    from .engine.options import kernel_plan
+    return kernel_plan(Config.from_env().engine_options()).describe()
 
 
 def _registry(directory, model=DEFAULT_MODEL):

@@ -6,7 +6,7 @@ import socket
 from dataclasses import dataclass, field, fields
 
 from .compute import DEFAULT_NICE
-from .engine.options import ACTIVATIONS, DEVICES, WEIGHTS, EngineOptions
+from .engine.options import ACTIVATIONS, DEVICES, INT8_PATHS, WEIGHTS, EngineOptions
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 WORKER_CLASSES = ("gthread", "gevent")
@@ -23,8 +23,9 @@ class Config:
 
     `Config()` gives the defaults; `Config.from_env()` reads `TURBOSPARK_*` variables:
     MODELS (models dir), MODEL (default model id, alias or path), DEVICE (auto|cpu|cuda),
-    WEIGHTS (auto|quant|fp32), ACTIVATIONS (int8|float32), GEMV_MAX_B and SINGLE_ROW_THREADS (CPU
-    kernel tuning), INT8_VNNI (1 or 0), FUSED_LAYERS (1 or 0: each layer one CPU kernel call, or the
+    WEIGHTS (auto|quant|fp32), ACTIVATIONS (auto|int8|float32), GEMV_MAX_B and SINGLE_ROW_THREADS (CPU
+    kernel tuning), INT8_ISA (auto|vnni512|avxvnni|avx2|neon|generic: the int8 dots' instructions),
+    INT8_VNNI (1 or 0), FUSED_LAYERS (1 or 0: each layer one CPU kernel call, or the
     step-by-step path), ENCODER_THREADS (BLAS threads of an embedding encoder),
     COMPUTE_NICE (nice increment of the compute thread, 0 = unchanged), FRONT_DOOR (1 or 0: the
     compute thread gives way between layers while the request loop answers a burst),
@@ -54,7 +55,8 @@ class Config:
     weights: str = _ENGINE.weights
     gemv_max_b: int = _ENGINE.gemv_max_b
     single_row_threads: int = _ENGINE.single_row_threads
-    activations: str = "int8"
+    activations: str = "auto"
+    int8_isa: str = _ENGINE.int8_isa
     encoder_threads: int = _ENGINE.encoder_threads
     int8_vnni: bool = _ENGINE.int8_vnni
     fused_layers: bool = _ENGINE.fused_layers
@@ -99,6 +101,7 @@ class Config:
         _check_choice("device", self.device, DEVICES)
         _check_choice("weights", self.weights, WEIGHTS)
         _check_choice("activations", self.activations, ACTIVATIONS)
+        _check_choice("int8_isa", self.int8_isa, INT8_PATHS)
         _check_choice("worker_class", self.worker_class, WORKER_CLASSES)
         for name in ("max_waiting", "max_context", "threads", "max_paused", "model_memory", "max_prompt_tokens",
                      "max_tokens_cap", "responses_store_size", "responses_store_bytes", "gemv_max_b",
@@ -140,7 +143,7 @@ class Config:
                              prefill_chunk=self.prefill_chunk, max_batch=self.max_batch, max_paused=self.max_paused,
                              gemv_max_b=self.gemv_max_b, single_row_threads=self.single_row_threads,
                              activations=self.activations, encoder_threads=self.encoder_threads,
-                             int8_vnni=self.int8_vnni, fused_layers=self.fused_layers)
+                             int8_vnni=self.int8_vnni, int8_isa=self.int8_isa, fused_layers=self.fused_layers)
 
     def __repr__(self):
         # NOTE(secrets): keys never reach a log line through a repr of the config.
@@ -148,6 +151,23 @@ class Config:
         shown["api_keys"] = f"<{len(self.api_keys)} keys>"
         shown["limits_redis"] = re.sub(r"//[^@/]*@", "//***@", self.limits_redis)     # redis://:password@host
         return "Config(" + ", ".join(f"{k}={v!r}" for k, v in shown.items()) + ")"
+
+
+def thread_wait_env(environ=os.environ):
+    """How libgomp's idle threads wait between the kernels' parallel regions, set in the server's
+    environment by its entry points (a value already there wins; it takes effect only before libgomp
+    loads, i.e. before the first kernel runs). The engine itself writes no environment.
+
+    NOTE(threads): libgomp's default spins ~300k rounds: with another busy process on a 2-core
+    machine that made a 160 us kernel take 10-20 ms. Fully passive waiting (spin 0) pays a futex
+    wake-up at each of the ~120 products of a decode token, so a second thread bought nothing. A
+    short spin keeps a thread awake across the ~20 us gaps between one token's products and sleeps
+    it soon after. SmolLM2-135M over HTTP, 2 cores (tools/bench.py --vs-llama-cpp --only ours):
+    passive with one thread per single-row product decoded 44 tok/s; spin 2000 56, 5000 62, 10000
+    64 tok/s, while 512-token prefill (the spinning threads compete with OpenBLAS's) went 458 -> 422,
+    426, 399 tok/s. 5000 it is."""
+    environ.setdefault("OMP_WAIT_POLICY", "ACTIVE")
+    environ.setdefault("GOMP_SPINCOUNT", "5000")
 
 
 def worker_threads(threads, max_waiting, max_batch, max_paused):
@@ -199,7 +219,7 @@ def _parse(name, raw):
         return _parse_number(name, raw, int)
     if name in _FLOATS:
         return _parse_number(name, raw, float)
-    return raw.lower() if name in ("device", "weights", "activations", "worker_class") else raw
+    return raw.lower() if name in ("device", "weights", "activations", "int8_isa", "worker_class") else raw
 
 
 def _parse_number(name, raw, kind):

@@ -176,7 +176,8 @@ class Registry:
             self._failures[key] = (mtime, _problem(e, key))
             metrics.record_model_load(model_id, False, time.monotonic() - started)
             raise ModelLoadError(_load_failed(name, self._failures[key][1])) from e
-        log.info("loaded %s from %s (backend %s)", name, key, engine.backend)
+        log.info("loaded %s from %s (backend %s%s)", name, key, engine.backend,
+                 f"; kernels: {engine.kernels}" if getattr(engine, "kernels", "") else "")
         metrics.record_model_load(model_id, True, time.monotonic() - started)
         if _freeze_after_load:
             freeze_heap()

@@ -172,6 +172,8 @@ class Service:
         if engine is not None:
             body["backend"] = engine.backend
             body["backend_reason"] = engine.backend_reason
+            if getattr(engine, "kernels", ""):
+                body["kernels"] = engine.kernels
             body["max_context"] = self._context(engine)
         elif self._load_error:
             body["error"] = self._load_error

@@ -48,6 +48,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.name = name or _model_id(loaded.path)
         self.backend, self.backend_reason = loaded.backend, loaded.backend_reason
+        self.kernels = loaded.kernels          # the CPU kernels it runs and why ("" on a GPU)
         cap = self.config.max_seq_len
         self.max_context = min(cap, options.max_context) if options.max_context else cap
         self.prefill_chunk = options.prefill_chunk

@@ -6,12 +6,11 @@ weights are streamed from memory once per call (each block is unpacked once into
 tile that all rows reuse; q8 with B <= 2 unpacks per row). A row's result never depends on the
 rows beside it. Larger calls dequantize slabs of W.T to float32 and hand them to BLAS. These
 keep activations float32: the results equal the dequantize-then-matmul reference up to float32
-summation order. By default (ACTIVATIONS "int8") every product of any row count goes to the
+summation order. With int8 activations (the model's KernelPlan) every product of any row count goes to the
 integer kernels of kernels_q8 instead. `attend` is causal attention computed row by row, for
 prompts and decode steps alike.
 """
 import contextlib
-import os
 import threading
 
 import numpy as np
@@ -38,16 +37,15 @@ SLAB_ROWS = 1024               # rows dequantized per BLAS call in the large-bat
 # `configure` (EngineOptions.single_row_threads, TURBOSPARK_SINGLE_ROW_THREADS).
 SINGLE_ROW_THREADS = 0
 BIG_SINGLE_ROW = 8 * 2 ** 20      # weights
-# "int8": activations quantized per block of 32 and integer dot products (kernels_q8), for every row
-# count; "float32": the float kernels below, equal to the dequantize-then-matmul reference. Set by
-# `configure` (EngineOptions.activations, TURBOSPARK_ACTIVATIONS).
-ACTIVATIONS = "int8"
+# A process-wide override of every model's activations (KernelPlan.activations): None, or "int8" /
+# "float32" inside `activations_as` (embeddings run float32 whatever the model generates with).
+ACTIVATIONS = None
 
 
 @contextlib.contextmanager
 def activations_as(kind):
-    """ACTIVATIONS set to `kind` inside the block (on the compute thread, which alone runs products
-    once a model is loaded), then back to what it was."""
+    """Every model's products on `kind` ("int8" or "float32") inside the block (on the compute
+    thread, which alone runs products once a model is loaded), then back to what it was."""
     global ACTIVATIONS
     before, ACTIVATIONS = ACTIVATIONS, kind
     try:
@@ -56,22 +54,11 @@ def activations_as(kind):
         ACTIVATIONS = before
 
 
-def configure(gemv_max_b=GEMV_MAX_B, single_row_threads=SINGLE_ROW_THREADS, activations=ACTIVATIONS):
-    """Sets the kernels' process-wide tuning, and how libgomp's threads wait (a value already in the
-    environment wins; it takes effect only before libgomp loads, i.e. before the first kernel runs).
+def configure(gemv_max_b=GEMV_MAX_B, single_row_threads=SINGLE_ROW_THREADS):
+    """Sets the kernels' process-wide tuning (EngineOptions.gemv_max_b, single_row_threads)."""
+    global GEMV_MAX_B, SINGLE_ROW_THREADS
+    GEMV_MAX_B, SINGLE_ROW_THREADS = int(gemv_max_b), int(single_row_threads)
 
-    NOTE(threads): how libgomp's idle threads wait between parallel regions. Its default spins ~300k
-    rounds: with another busy process on a 2-core machine that made a 160 us kernel take 10-20 ms.
-    Fully passive waiting (spin 0) pays a futex wake-up at each of the ~120 products of a decode
-    token, so a second thread bought nothing. A short spin keeps a thread awake across the ~20 us
-    gaps between one token's products and sleeps it soon after. SmolLM2-135M over HTTP, 2 cores
-    (tools/bench.py --vs-llama-cpp --only ours): passive with one thread per single-row product
-    decoded 44 tok/s; spin 2000 56, 5000 62, 10000 64 tok/s, while 512-token prefill (the spinning
-    threads compete with OpenBLAS's) went 458 -> 422, 426, 399 tok/s. 5000 it is."""
-    global GEMV_MAX_B, SINGLE_ROW_THREADS, ACTIVATIONS
-    GEMV_MAX_B, SINGLE_ROW_THREADS, ACTIVATIONS = int(gemv_max_b), int(single_row_threads), activations
-    os.environ.setdefault("OMP_WAIT_POLICY", "ACTIVE")
-    os.environ.setdefault("GOMP_SPINCOUNT", "5000")
 
 if AVAILABLE:
     _JIT = dict(parallel=True, fastmath=True, cache=True, nogil=True)
@@ -242,10 +229,13 @@ class QLinear:
 
     __array_ufunc__ = None   # NOTE(dispatch): makes ndarray.__matmul__ defer to __rmatmul__
 
-    def __init__(self, w, threads=None):
+    def __init__(self, w, threads=None, plan=None):
         self.w, self.threads = w, threads
+        # the model's KernelPlan: activations and the int8 dots' instruction path
+        self.activations = plan.activations if plan else "int8"
+        self.isa = plan.isa if plan else kernels_q8.DEFAULT.path
         self.shape = (w.k, w.n)   # the float32 matrix it replaces is (in, out)
-        if ACTIVATIONS == "int8" and kernels_q8.AVAILABLE:
+        if self.activations == "int8" and kernels_q8.AVAILABLE:
             # the int8 kernels' layout, built at load rather than by a first request (~1 s for SmolLM2)
             for p in w.parts:
                 if kernels_q8.fits(p):
@@ -275,15 +265,15 @@ class QLinear:
         if not AVAILABLE:
             return quant.matmul_ref(x.reshape(-1, self.w.k), self.w).reshape(*lead, self.w.n)
         x = x.reshape(-1, self.w.k)
-        p = self._int8_part
-        if p is not None and ACTIVATIONS == "int8":
+        p, activations = self._int8_part, ACTIVATIONS or self.activations
+        if p is not None and activations == "int8":
             # PERF(dispatch): the common case (one part, no padding rows) straight to its kernel,
             # what qmatmul would do with a few Python steps less for each of a token's ~120 products
             x, y = np.ascontiguousarray(x), np.empty((x.shape[0], p.n), np.float32)
             self.use_threads(x.shape[0])
-            kernels_q8.matmul(x, p, y)
+            kernels_q8.matmul(x, p, y, self.isa)
         else:
-            y = qmatmul(x, self.w, threads=self.threads, path=path)
+            y = qmatmul(x, self.w, threads=self.threads, path=path, activations=activations, isa=self.isa)
         return y.reshape(*lead, self.w.n)
 
 
@@ -297,11 +287,12 @@ class QEmbedding:
         return quant.embed_rows(self.w, ids)
 
 
-def qmatmul(x, w, out=None, threads=None, path="auto", activations=None):
+def qmatmul(x, w, out=None, threads=None, path="auto", activations=None, isa=None):
     """y = x @ W.T for x float32 [B, k] and a quant.QMatrix W [n, k] -> float32 [B, n].
     `threads` caps the numba threads for this call (default: NUMBA_NUM_THREADS / all cores);
     `path` forces "gemv" (fused kernel) or "blas" (dequantize slabs + GEMM); `activations`
-    ("int8" or "float32", default ACTIVATIONS) picks the kernels of every path but "blas"."""
+    ("int8" or "float32", default ACTIVATIONS or int8) picks the kernels of every path but "blas",
+    `isa` the int8 dots' instruction path (isa.PATHS; default kernels_q8.DEFAULT's)."""
     x = np.ascontiguousarray(x, dtype=np.float32)
     if x.ndim != 2 or x.shape[1] != w.k:
         raise ValueError(f"activation shape {x.shape} does not match weight {w.shape}")
@@ -310,12 +301,12 @@ def qmatmul(x, w, out=None, threads=None, path="auto", activations=None):
     _use_threads(_threads_for(x.shape[0], w, threads))
     # NOTE(exact-batching): int8 activations take the integer kernels for any row count, prompt
     # chunks and decode steps alike, so a row's bits never depend on the call it came in.
-    int8 = path != "blas" and (activations or ACTIVATIONS) == "int8" and kernels_q8.AVAILABLE
+    int8 = path != "blas" and (activations or ACTIVATIONS or "int8") == "int8" and kernels_q8.AVAILABLE
     start = 0
     for p in w.parts:
         part = y[:, start:start + p.n]
         if use_gemv or int8:
-            _gemv(x, p, part, int8)
+            _gemv(x, p, part, int8, isa)
         else:
             _blas(x, p, part)
         start += p.n
@@ -328,11 +319,11 @@ def _threads_for(rows, w, threads):
     return threads
 
 
-def _gemv(x, p, y, int8=False):
+def _gemv(x, p, y, int8=False, isa=None):
     direct = p.qs.shape[0] * p.tile == p.n and y.flags.c_contiguous
     buf = y if direct else np.empty((x.shape[0], p.qs.shape[0] * p.tile), np.float32)
     if int8 and kernels_q8.fits(p):
-        kernels_q8.matmul(x, p, buf)
+        kernels_q8.matmul(x, p, buf, isa)
     # NOTE(exact-batching): a sequence must get the same numbers alone or in a batch, and a prompt
     # position the same in a prefill of any cut or a decode step, so each layout has kernels whose
     # rows do not depend on B. q4 always takes the tile kernel (each block unpacked once into a
@@ -391,8 +382,9 @@ def _use_threads(n):
         _local.threads = n
 
 
-def warmup():
-    """Compiles (or loads from numba's on-disk cache) every kernel on tiny inputs; returns seconds."""
+def warmup(isa=None):
+    """Compiles (or loads from numba's on-disk cache) every kernel on tiny inputs, the int8 ones on
+    instruction path `isa` (default kernels_q8.DEFAULT's); returns seconds."""
     import time
     t0 = time.perf_counter()
     rng = np.random.default_rng(0)
@@ -405,7 +397,7 @@ def warmup():
         w = quant.pack(quant.decode(raw, gtype, (16, 32)), tile=16)
         for rows in (x[:1], x):
             for activations in ("int8", "float32"):
-                qmatmul(rows, w, path="gemv", activations=activations)
+                qmatmul(rows, w, path="gemv", activations=activations, isa=isa)
         qmatmul(x, w, path="blas")
     kv = rng.standard_normal((4, 1, 8)).astype(np.float32)
     attend(rng.standard_normal((2, 2, 8)).astype(np.float32), kv, kv, 1, window=2)

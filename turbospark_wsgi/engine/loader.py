@@ -8,7 +8,7 @@ from .config import ModelConfig
 from . import kernels_cpu
 from .gguf import GGUFFile, ggml_type_name, model_config_from_gguf
 from .model import Transformer
-from .options import apply, resolve
+from .options import apply, kernel_plan, resolve
 from .safetensors_io import SafetensorsDir, model_config_from_hf
 from .weights import layer_shapes, load_quantized_weights, load_weights, tensor_name
 
@@ -27,6 +27,7 @@ class LoadedModel:
     path: str
     backend: str         # "numpy" | "cupy"
     backend_reason: str
+    kernels: str = ""    # the CPU kernels it runs and why (KernelPlan.describe); "" on a GPU
 
 
 def load_model(path, options=None, **overrides):
@@ -56,19 +57,21 @@ def _load(path, options):
     else:
         kind, metadata, cfg, source = "gguf", *_open_gguf(path)
     _check_shapes(cfg, source, kind)
+    plan = kernel_plan(options)
     if _quantized(options.weights, kind, backend.name):
-        tensors = load_quantized_weights(cfg, source)
+        tensors = load_quantized_weights(cfg, source, plan)
         kernels_cpu.limit_blas_threads(1)
     else:
         tensors = load_weights(cfg, source, kind, backend.xp)
-    model = Transformer(cfg, tensors, backend.xp)
+    model = Transformer(cfg, tensors, backend.xp, plan)
     if model.fused_attention:
         # NOTE(cold-start): the kernels compile (or load from numba's cache) here, so a server says
         # it is ready only once its first request runs at full speed
-        kernels_cpu.warmup()
+        kernels_cpu.warmup(plan.isa)
         if model.fused:
             model.warm_layers()
-    return LoadedModel(cfg, model, metadata, kind, path, backend.name, backend.reason)
+    return LoadedModel(cfg, model, metadata, kind, path, backend.name, backend.reason,
+                       plan.describe() if backend.name == "numpy" else "")
 
 
 def weight_storage(path):
