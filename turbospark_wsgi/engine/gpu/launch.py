@@ -24,6 +24,7 @@ MM_ROWS = SHAPES["MM_THREADS"] // SHAPES["MM_LANES"]
 # PERF(gemv): products of at most this many input rows run on qmatmul (weights read once per
 # MM_BATCH rows); longer ones dequantize the matrix and multiply with the BLAS (cuBLAS on a GPU).
 GEMV_ROWS = 16
+MAX_GRID_Y = 65535
 
 # argument kinds of each kernel after the grid: p pointer (array or None), i int32, l int64, f float32
 SIGNATURES = {"qmatmul": "ipiilpiipiif", "dequant": "ipiilppif", "attend": "pppiiiiip"}
@@ -73,9 +74,12 @@ class Kernels:
             raise ValueError(f"attention kernel: head size {D} (max {SHAPES['AT_DMAX']}), {H} heads over {G}")
         xp = self.xp
         out = xp.empty((R, H * D), dtype=np.float32)
-        self._launch("attend", (H, R), SHAPES["AT_THREADS"],
-                     [q, xp.asarray(np.asarray(kv, np.uint64)), xp.asarray(np.asarray(pos, np.int32)),
-                      R, H, G, D, window, out])
+        kv, pos = np.asarray(kv, np.uint64).reshape(2, R), np.asarray(pos, np.int32)
+        for r0 in range(0, R, MAX_GRID_Y):                              # grid.y is at most 65535
+            r1 = min(R, r0 + MAX_GRID_Y)
+            self._launch("attend", (H, r1 - r0), SHAPES["AT_THREADS"],
+                         [q[r0:r1], xp.asarray(kv[:, r0:r1].reshape(-1)), xp.asarray(pos[r0:r1]),
+                          r1 - r0, H, G, D, window, out[r0:r1]])
         return out
 
     def address(self, a):
