@@ -37,7 +37,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 WHEELS = ROOT / "tools" / "wheels"
-PACKAGES = {"falcon": "falcon", "gunicorn": "gunicorn", "gguf": "gguf", "llguidance": "llguidance", "yaml": "pyyaml"}
+SITE = Path(tempfile.gettempdir()) / "turbospark-gpu-check-site"
+# module -> distribution: the four the project needs beside what the device has, and gguf's own
+PACKAGES = {"falcon": "falcon", "gunicorn": "gunicorn", "gguf": "gguf", "llguidance": "llguidance",
+            "yaml": "pyyaml", "tqdm": "tqdm", "requests": "requests", "certifi": "certifi", "idna": "idna",
+            "urllib3": "urllib3", "charset_normalizer": "charset-normalizer"}
 
 # model sizes per device: the parity llama (every kernel type), the speed llama (~1B on a GPU)
 SIZES = {
@@ -96,13 +100,18 @@ def _plain(v):
 # ---------------------------------------------------------------------------- 1. packages
 
 def ensure_packages():
-    """Installs from tools/wheels what the machine lacks (no index: the device reaches nothing)."""
+    """Installs from tools/wheels what the machine lacks into a folder of its own put first on
+    sys.path (no index: the device reaches nothing; no write to the machine's own environment,
+    which may be externally managed)."""
     missing = [pip for mod, pip in PACKAGES.items() if importlib.util.find_spec(mod) is None]
-    done = {"missing": missing, "wheels": sorted(p.name for p in WHEELS.glob("*.whl")) if WHEELS.is_dir() else []}
+    done = {"missing": missing, "wheels": len(list(WHEELS.glob("*.whl"))) if WHEELS.is_dir() else 0}
     if missing:
-        cmd = [sys.executable, "-m", "pip", "install", "--no-index", "--find-links", str(WHEELS), *missing]
+        SITE.mkdir(parents=True, exist_ok=True)
+        cmd = [sys.executable, "-m", "pip", "install", "--no-index", "--no-deps", "--find-links", str(WHEELS),
+               "--target", str(SITE), *missing]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         done["pip"] = {"rc": proc.returncode, "tail": (proc.stdout + proc.stderr)[-1500:]}
+        sys.path.insert(0, str(SITE))
         importlib.invalidate_caches()
         done["still_missing"] = [pip for mod, pip in PACKAGES.items() if importlib.util.find_spec(mod) is None]
     return done
