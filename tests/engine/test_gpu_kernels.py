@@ -112,6 +112,7 @@ MUTANTS = {
                 "for (int l = 1; l < MM_LANES; ++l) s += part[b][tid + l];"),
     "attend": ("V[((long)(start + i) * G + g) * D + d]", "V[((long)(start + i) * G) * D + d]"),
     "window": ("p - window + 1 : 0", "p - window : 0"),
+    "tree-sum": ("if (tid < w) red[tid] += red[tid + w];", "if (tid < w) red[tid] += red[tid + w - 1];"),
 }
 
 
@@ -135,6 +136,7 @@ def test_a_broken_lane_sum_fails_the_check():
 def test_broken_attention_indexing_fails_the_check():
     assert attention_error(mutant("attend")) > 1e-3       # every head reads KV head 0
     assert attention_error(mutant("window"), window=5) > 1e-3
+    assert attention_error(mutant("tree-sum")) > 1e-3
 
 
 @pytest.mark.skipif(not shutil.which("nvcc"), reason="needs nvcc")

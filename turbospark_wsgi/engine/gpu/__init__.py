@@ -1,5 +1,6 @@
 """The device engine's own kernels: quantized matrix products that read GGUF blocks (Q4_0, Q4_1,
-Q8_0, Q4_K, Q6_K) where they lie on the device, and attention over the device KV cache.
+Q8_0, Q4_K, Q6_K) where they lie on the device, and a decode row's attention over the device KV
+cache.
 
 Why CUDA C++ for CuPy's RawModule (kernels.cu), and not numba.cuda under its simulator:
 

@@ -124,6 +124,7 @@ __host__ __device__ void decode32(int t, const u8* row, int u, float* w) {
 
 // y[b, col0 + r] = scale * sum_c x[b, c] W[r, c] for rows r of block bx and inputs b of block by.
 // MM_LANES threads share a row, each taking every MM_LANES-th unit; the row's first thread sums.
+// The grid is (input blocks, row blocks): the blocks reading the same rows run side by side.
 __host__ __device__ void qmatmul_block(int bx, int by, int t, const u8* W, int n, int k, long row_bytes,
                                        const float* x, int ldx, int B, float* y, int ldy, int col0, float scale) {
   SHARED float part[MM_BATCH][MM_THREADS];
@@ -181,10 +182,11 @@ __host__ __device__ void dequant_block(int bx, int t, const u8* W, int n, int k,
 // out[r, h*D + d]: softmax(q . k_j) weighted sum of v_j over the keys j of query row r, head h:
 // positions lo..pos[r] (lo = pos[r] - window + 1 with a window, else 0). Row r's keys and values
 // are float32 [*, G, D] at addresses kv[r] and kv[R + r]; query head h reads KV head h / (H / G).
-// Keys go in tiles of AT_THREADS, one per thread, with a running max and sum (online softmax).
+// Keys go in tiles of AT_THREADS, one per thread, with a running max and sum (online softmax);
+// a tile's max and sum are tree reductions over the block.
 __host__ __device__ void attend_block(int h, int r, const float* q, const u64* kv, const int* pos, int R, int H,
                                       int G, int D, int window, float* out) {
-  SHARED float qs[AT_DMAX], acc[AT_DMAX], s[AT_THREADS], st[3];   // st: running max, sum, rescale
+  SHARED float qs[AT_DMAX], acc[AT_DMAX], s[AT_THREADS], red[AT_THREADS], st[3];   // st: max, sum, rescale
   const int p = pos[r], lo = (window > 0 && p - window + 1 > 0) ? p - window + 1 : 0, g = h / (H / G);
   const float* K = (const float*)kv[r];
   const float* V = (const float*)kv[R + r];
@@ -199,37 +201,41 @@ __host__ __device__ void attend_block(int h, int r, const float* q, const u64* k
     }
   }
   for (int start = lo; start <= p; start += AT_THREADS) {
+    const int n = p - start + 1 < AT_THREADS ? p - start + 1 : AT_THREADS;   // keys in this tile
     PHASE(AT_THREADS) {
-      int j = start + tid;
       float v = bits_float(0xff800000u);
-      if (j <= p) {
-        const float* kj = K + ((long)j * G + g) * D;
+      if (tid < n) {
+        const float* kj = K + ((long)(start + tid) * G + g) * D;
         v = 0.0f;
         for (int d = 0; d < D; ++d) v += qs[d] * kj[d];
       }
       s[tid] = v;
+      red[tid] = v;
+    }
+    for (int w = AT_THREADS / 2; w > 0; w >>= 1) {
+      PHASE(AT_THREADS) { if (tid < w) red[tid] = fmaxf(red[tid], red[tid + w]); }
     }
     PHASE(AT_THREADS) {
       if (tid == 0) {
-        float m = st[0];
-        for (int i = 0; i < AT_THREADS; ++i) m = fmaxf(m, s[i]);
-        st[2] = expf(st[0] - m);
+        float m = fmaxf(st[0], red[0]);
+        st[2] = expf(st[0] - m);             // what the sums so far are rescaled by
         st[0] = m;
       }
     }
-    PHASE(AT_THREADS) { s[tid] = expf(s[tid] - st[0]); }
     PHASE(AT_THREADS) {
-      int n = p - start + 1 < AT_THREADS ? p - start + 1 : AT_THREADS;
+      s[tid] = expf(s[tid] - st[0]);         // -inf past the tile's keys: 0
+      red[tid] = s[tid];
+    }
+    for (int w = AT_THREADS / 2; w > 0; w >>= 1) {
+      PHASE(AT_THREADS) { if (tid < w) red[tid] += red[tid + w]; }
+    }
+    PHASE(AT_THREADS) {
       for (int d = tid; d < D; d += AT_THREADS) {
         float a = acc[d] * st[2];
         for (int i = 0; i < n; ++i) a += s[i] * V[((long)(start + i) * G + g) * D + d];
         acc[d] = a;
       }
-      if (tid == 0) {
-        float l = st[1] * st[2];
-        for (int i = 0; i < n; ++i) l += s[i];
-        st[1] = l;
-      }
+      if (tid == 0) st[1] = st[1] * st[2] + red[0];
     }
   }
   PHASE(AT_THREADS) {
@@ -240,7 +246,7 @@ __host__ __device__ void attend_block(int h, int r, const float* q, const u64* k
 #ifdef __CUDACC__
 extern "C" __global__ void qmatmul(int t, const u8* W, int n, int k, long row_bytes, const float* x, int ldx, int B,
                                    float* y, int ldy, int col0, float scale) {
-  qmatmul_block(blockIdx.x, blockIdx.y, t, W, n, k, row_bytes, x, ldx, B, y, ldy, col0, scale);
+  qmatmul_block(blockIdx.y, blockIdx.x, t, W, n, k, row_bytes, x, ldx, B, y, ldy, col0, scale);
 }
 
 extern "C" __global__ void dequant(int t, const u8* W, int n, int k, long row_bytes, const int* rows, float* y,
@@ -257,7 +263,7 @@ extern "C" __global__ void attend(const float* q, const u64* kv, const int* pos,
 extern "C" void qmatmul(int gx, int gy, int t, const u8* W, int n, int k, long row_bytes, const float* x, int ldx,
                         int B, float* y, int ldy, int col0, float scale) {
   for (int by = 0; by < gy; ++by)
-    for (int bx = 0; bx < gx; ++bx) qmatmul_block(bx, by, t, W, n, k, row_bytes, x, ldx, B, y, ldy, col0, scale);
+    for (int bx = 0; bx < gx; ++bx) qmatmul_block(by, bx, t, W, n, k, row_bytes, x, ldx, B, y, ldy, col0, scale);
 }
 
 extern "C" void dequant(int gx, int gy, int t, const u8* W, int n, int k, long row_bytes, const int* rows, float* y,

@@ -50,7 +50,7 @@ class Kernels:
         with rows of k weights) and x float32 [B, k] (contiguous)."""
         n, B = blocks.shape[0], x.shape[0]
         if B <= GEMV_ROWS:
-            grid = (-(-n // MM_ROWS), -(-B // SHAPES["MM_BATCH"]))
+            grid = (-(-B // SHAPES["MM_BATCH"]), -(-n // MM_ROWS))       # kernels.cu: (inputs, rows)
             self._launch("qmatmul", grid, SHAPES["MM_THREADS"],
                          [qtype, blocks, n, k, blocks.shape[1], x, k, B, out, out.shape[1], col0, scale])
         else:

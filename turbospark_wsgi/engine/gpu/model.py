@@ -1,5 +1,5 @@
-"""The transformer of engine/model.py with its attention on the `attend` kernel, for weights from
-gpu/weights.py: every other step is the model's own `xp` code."""
+"""The transformer of engine/model.py for weights from gpu/weights.py, its decode attention on the
+`attend` kernel: every other step is the model's own `xp` code."""
 import numpy as np
 
 from ..model import Transformer
@@ -7,8 +7,12 @@ from .weights import load_device_weights
 
 
 class DeviceTransformer(Transformer):
-    """engine.model.Transformer on `kernels.xp` (CuPy on a GPU, numpy for the host build), its
-    attention over the KV cache on the kernels."""
+    """engine.model.Transformer on `kernels.xp` (CuPy on a GPU, numpy for the host build), a decode
+    row's attention over its KV cache on the kernel.
+
+    PERF(prefill-attention): prompts keep the model's blockwise attention, batched GEMMs (cuBLAS on
+    a GPU): the kernel gives each (row, head) one thread block walking the keys, about T^2/2 key
+    visits in tiles, far slower than a GEMM for thousands of rows."""
 
     def __init__(self, cfg, weights, kernels):
         super().__init__(cfg, weights, kernels.xp)
@@ -18,10 +22,6 @@ class DeviceTransformer(Transformer):
     fused = False
     fused_attention = False
     rows_exact = False
-
-    def _prompt_attention(self, q, keys, vals, pos, window):
-        T = q.shape[0]
-        return self._attend(q, [keys] * T, [vals] * T, np.arange(pos, pos + T), window)
 
     def _decode_attention(self, q, keys, vals, pos, window):
         return self._attend(q, [keys], [vals], [pos], window)
