@@ -86,7 +86,7 @@ def attention_error(kernels, window=0, D=64, H=6, G=2):
     rows = [(0, 299), (1, 0), (2, 128), (0, 130), (1, 16), (2, 127)]
     q = rng.standard_normal((len(rows), H, D)).astype(np.float32) * 0.3
     keys, vals, pos = [caches[s] for s, _ in rows], [values[s] for s, _ in rows], [p for _, p in rows]
-    got = kernels.attend(q, [kernels.address(a) for a in keys + vals], pos, G, window)
+    got = kernels.attend(q, kernels.table(keys, vals, pos), G, window)
     return float(np.abs(got - attention_reference(q, keys, vals, pos, window)).max())
 
 
@@ -97,8 +97,31 @@ def test_attention_matches_softmax_reference(kernels, window, D):
 
 
 def test_attention_rejects_shapes_it_cannot_run(kernels):
+    kv = np.zeros((4, 1, 512), np.float32)
     with pytest.raises(ValueError, match="head size 512"):
-        kernels.attend(np.zeros((1, 2, 512), np.float32), [0, 0], [0], 1)
+        kernels.attend(np.zeros((1, 2, 512), np.float32), kernels.table([kv], [kv], [0]), 1)
+
+
+def test_store_and_attend_address_each_sequence_and_layer(kernels):
+    """Whole caches [layers, capacity, G, D] of different capacities: row r's K/V land at its
+    position in layer 1 only, and attention of layer 1 reads them back."""
+    rng = np.random.default_rng(3)
+    G, D, H = 2, 64, 4
+    caches = [(rng.standard_normal((3, n, G, D)).astype(np.float32), rng.standard_normal((3, n, G, D)).astype(np.float32))
+              for n in (8, 300)]
+    before = [(k.copy(), v.copy()) for k, v in caches]
+    pos = [5, 260]
+    table = kernels.table([k for k, _ in caches], [v for _, v in caches], pos, [k[0].size for k, _ in caches])
+    new_k, new_v = rng.standard_normal((2, 2, G, D)).astype(np.float32)
+    kernels.store(new_k, new_v, table, layer=1)
+    for r, ((k, v), (k0, v0)) in enumerate(zip(caches, before)):
+        k0[1, pos[r]], v0[1, pos[r]] = new_k[r], new_v[r]
+        np.testing.assert_array_equal(k, k0)
+        np.testing.assert_array_equal(v, v0)
+    q = rng.standard_normal((2, H, D)).astype(np.float32) * 0.3
+    got = kernels.attend(q, table, G, layer=1)
+    want = attention_reference(q, [k[1] for k, _ in caches], [v[1] for _, v in caches], pos, 0)
+    assert np.abs(got - want).max() < 1e-5
 
 
 # one index broken per kernel (a mutant of the source): the checks above must see each
@@ -112,6 +135,8 @@ MUTANTS = {
                 "for (int l = 1; l < MM_LANES; ++l) s += part[b][tid + l];"),
     "attend": ("V[((long)(start + i) * G + g) * D + d]", "V[((long)(start + i) * G) * D + d]"),
     "window": ("p - window + 1 : 0", "p - window : 0"),
+    "store": ("+ (long)pos[r] * GD;\n  float* V", "+ (long)pos[r];\n  float* V"),
+    "layer": ("const float* K = (const float*)kv[r] + layer * lstride[r];", "const float* K = (const float*)kv[r];"),
     "tree-sum": ("if (tid < w) red[tid] += red[tid + w];", "if (tid < w) red[tid] += red[tid + w - 1];"),
 }
 
@@ -131,6 +156,12 @@ def test_a_broken_block_index_fails_its_check(name):
 
 def test_a_broken_lane_sum_fails_the_check():
     assert matmul_error(mutant("qmatmul"), 2, 3) > 1e-3
+
+
+@pytest.mark.parametrize("name", ["store", "layer"])
+def test_broken_cache_addressing_fails_the_check(name):
+    with pytest.raises(AssertionError):
+        test_store_and_attend_address_each_sequence_and_layer(mutant(name))
 
 
 def test_broken_attention_indexing_fails_the_check():

@@ -46,6 +46,9 @@ enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q6_K = 14 };   // ggml type ids
 #ifndef AT_THREADS
 #define AT_THREADS 128
 #endif
+#ifndef ST_THREADS
+#define ST_THREADS 128
+#endif
 #ifndef AT_DMAX
 #define AT_DMAX 256                          // largest head size
 #endif
@@ -181,15 +184,16 @@ __host__ __device__ void dequant_block(int bx, int t, const u8* W, int n, int k,
 
 // out[r, h*D + d]: softmax(q . k_j) weighted sum of v_j over the keys j of query row r, head h:
 // positions lo..pos[r] (lo = pos[r] - window + 1 with a window, else 0). Row r's keys and values
-// are float32 [*, G, D] at addresses kv[r] and kv[R + r]; query head h reads KV head h / (H / G).
+// are float32 [*, G, D] at kv[r] and kv[R + r] plus layer * lstride[r] floats (a sequence's cache
+// holds every layer, lstride[r] floats apart); query head h reads KV head h / (H / G).
 // Keys go in tiles of AT_THREADS, one per thread, with a running max and sum (online softmax);
 // a tile's max and sum are tree reductions over the block.
-__host__ __device__ void attend_block(int h, int r, const float* q, const u64* kv, const int* pos, int R, int H,
-                                      int G, int D, int window, float* out) {
+__host__ __device__ void attend_block(int h, int r, const float* q, const u64* kv, const long* lstride, int layer,
+                                      const int* pos, int R, int H, int G, int D, int window, float* out) {
   SHARED float qs[AT_DMAX], acc[AT_DMAX], s[AT_THREADS], red[AT_THREADS], st[3];   // st: max, sum, rescale
   const int p = pos[r], lo = (window > 0 && p - window + 1 > 0) ? p - window + 1 : 0, g = h / (H / G);
-  const float* K = (const float*)kv[r];
-  const float* V = (const float*)kv[R + r];
+  const float* K = (const float*)kv[r] + layer * lstride[r];
+  const float* V = (const float*)kv[R + r] + layer * lstride[r];
   PHASE(AT_THREADS) {
     for (int d = tid; d < D; d += AT_THREADS) {
       qs[d] = q[((long)r * H + h) * D + d];
@@ -243,6 +247,20 @@ __host__ __device__ void attend_block(int h, int r, const float* q, const u64* k
   }
 }
 
+// stores row r of k and v (float32 [R, G*D]) at position pos[r] of layer `layer` of row r's cache
+// (addressed as in attend_block)
+__host__ __device__ void store_block(int r, const float* k, const float* v, const u64* kv, const long* lstride,
+                                     int layer, const int* pos, int R, int GD) {
+  float* K = (float*)kv[r] + layer * lstride[r] + (long)pos[r] * GD;
+  float* V = (float*)kv[R + r] + layer * lstride[r] + (long)pos[r] * GD;
+  PHASE(ST_THREADS) {
+    for (int e = tid; e < GD; e += ST_THREADS) {
+      K[e] = k[(long)r * GD + e];
+      V[e] = v[(long)r * GD + e];
+    }
+  }
+}
+
 #ifdef __CUDACC__
 extern "C" __global__ void qmatmul(int t, const u8* W, int n, int k, long row_bytes, const float* x, int ldx, int B,
                                    float* y, int ldy, int col0, float scale) {
@@ -254,9 +272,14 @@ extern "C" __global__ void dequant(int t, const u8* W, int n, int k, long row_by
   dequant_block(blockIdx.x, t, W, n, k, row_bytes, rows, y, ldy, scale);
 }
 
-extern "C" __global__ void attend(const float* q, const u64* kv, const int* pos, int R, int H, int G, int D,
-                                  int window, float* out) {
-  attend_block(blockIdx.x, blockIdx.y, q, kv, pos, R, H, G, D, window, out);
+extern "C" __global__ void attend(const float* q, const u64* kv, const long* lstride, int layer, const int* pos,
+                                  int R, int H, int G, int D, int window, float* out) {
+  attend_block(blockIdx.x, blockIdx.y, q, kv, lstride, layer, pos, R, H, G, D, window, out);
+}
+
+extern "C" __global__ void store(const float* k, const float* v, const u64* kv, const long* lstride, int layer,
+                                 const int* pos, int R, int GD) {
+  store_block(blockIdx.x, k, v, kv, lstride, layer, pos, R, GD);
 }
 #else
 // the same launches on the host: every thread block of the grid in turn
@@ -271,9 +294,14 @@ extern "C" void dequant(int gx, int gy, int t, const u8* W, int n, int k, long r
   for (int bx = 0; bx < gx; ++bx) dequant_block(bx, t, W, n, k, row_bytes, rows, y, ldy, scale);
 }
 
-extern "C" void attend(int gx, int gy, const float* q, const u64* kv, const int* pos, int R, int H, int G, int D,
-                       int window, float* out) {
+extern "C" void attend(int gx, int gy, const float* q, const u64* kv, const long* lstride, int layer, const int* pos,
+                       int R, int H, int G, int D, int window, float* out) {
   for (int by = 0; by < gy; ++by)
-    for (int bx = 0; bx < gx; ++bx) attend_block(bx, by, q, kv, pos, R, H, G, D, window, out);
+    for (int bx = 0; bx < gx; ++bx) attend_block(bx, by, q, kv, lstride, layer, pos, R, H, G, D, window, out);
+}
+
+extern "C" void store(int gx, int gy, const float* k, const float* v, const u64* kv, const long* lstride, int layer,
+                      const int* pos, int R, int GD) {
+  for (int bx = 0; bx < gx; ++bx) store_block(bx, k, v, kv, lstride, layer, pos, R, GD);
 }
 #endif

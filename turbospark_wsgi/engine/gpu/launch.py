@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +20,8 @@ KERNEL_TYPES = {2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 8: ("Q8_0", 32, 34), 1
                 14: ("Q6_K", 256, 210)}
 UNIT = 32                       # weights a thread decodes at once (kernels.cu UNIT)
 # launch shapes, passed to both builds as -D flags (kernels.cu holds the same defaults)
-SHAPES = {"MM_THREADS": 256, "MM_LANES": 32, "MM_BATCH": 4, "DQ_THREADS": 256, "AT_THREADS": 128, "AT_DMAX": 256}
+SHAPES = {"MM_THREADS": 256, "MM_LANES": 32, "MM_BATCH": 4, "DQ_THREADS": 256, "AT_THREADS": 128, "AT_DMAX": 256,
+          "ST_THREADS": 128}
 MM_ROWS = SHAPES["MM_THREADS"] // SHAPES["MM_LANES"]
 # PERF(gemv): products of at most this many input rows run on qmatmul (weights read once per
 # MM_BATCH rows); longer ones dequantize the matrix and multiply with the BLAS (cuBLAS on a GPU).
@@ -27,7 +29,7 @@ GEMV_ROWS = 16
 MAX_GRID_Y = 65535
 
 # argument kinds of each kernel after the grid: p pointer (array or None), i int32, l int64, f float32
-SIGNATURES = {"qmatmul": "ipiilpiipiif", "dequant": "ipiilppif", "attend": "pppiiiiip"}
+SIGNATURES = {"qmatmul": "ipiilpiipiif", "dequant": "ipiilppif", "attend": "pppipiiiiip", "store": "ppppipii"}
 
 
 def supported(ggml_type, shape):
@@ -39,8 +41,21 @@ def _flags():
     return [f"-D{k}={v}" for k, v in SHAPES.items()]
 
 
+@dataclass(slots=True)
+class KVTable:
+    """Device arrays naming each row's keys and values (Kernels.table)."""
+
+    n: int
+    kv: object          # uint64 [2, n]: key then value addresses
+    stride: object      # int64 [n]: floats between layers
+    pos: object         # int32 [n]
+
+    def rows(self, r0, r1, xp):
+        return KVTable(r1 - r0, xp.ascontiguousarray(self.kv[:, r0:r1]), self.stride[r0:r1], self.pos[r0:r1])
+
+
 class Kernels:
-    """The three kernels on `xp` arrays. `launch(name, grid, threads, args)` runs one of them."""
+    """The kernels on `xp` arrays. `launch(name, grid, threads, args)` runs one of them."""
 
     def __init__(self, xp, launch, name):
         self.xp, self._launch, self.name = xp, launch, name
@@ -65,22 +80,38 @@ class Kernels:
                      [qtype, blocks, n, k, blocks.shape[1], rows, out, k, scale])
         return out
 
-    def attend(self, q, kv, pos, G, window=0):
-        """Attention of query rows q `[R, H, D]` (pre-scaled, contiguous): row r at position pos[r]
-        over the keys and values at addresses kv[r], kv[R + r] (float32 `[*, G, D]` each, see
-        `address`). kv: host uint64 [2R]; pos: host int [R]. Returns `[R, H*D]`."""
+    def table(self, keys, vals, pos, layer_stride=None):
+        """The rows' KV addresses on the device for `attend` and `store`: row r's keys and values
+        are the contiguous float32 arrays keys[r] and vals[r] (`[*, G, D]`, or a whole cache
+        `[n_layer, *, G, D]` with layer_stride[r] its floats per layer), its position pos[r]."""
+        R, xp = len(pos), self.xp
+        kv = np.array([self.address(a) for a in keys] + [self.address(a) for a in vals], np.uint64).reshape(2, R)
+        stride = np.zeros(R, np.int64) if layer_stride is None else np.asarray(layer_stride, np.int64)
+        return KVTable(R, xp.asarray(kv), xp.asarray(stride), xp.asarray(np.asarray(pos, np.int32)))
+
+    def attend(self, q, table, G, window=0, layer=0):
+        """Attention of query rows q `[R, H, D]` (pre-scaled): row r at position table.pos[r] over
+        its keys and values (see `table`), of layer `layer`. Returns `[R, H*D]`."""
         R, H, D = q.shape
         if D > SHAPES["AT_DMAX"] or H % G:
             raise ValueError(f"attention kernel: head size {D} (max {SHAPES['AT_DMAX']}), {H} heads over {G}")
         xp = self.xp
+        q = xp.ascontiguousarray(q, dtype=np.float32)
         out = xp.empty((R, H * D), dtype=np.float32)
-        kv, pos = np.asarray(kv, np.uint64).reshape(2, R), np.asarray(pos, np.int32)
         for r0 in range(0, R, MAX_GRID_Y):                              # grid.y is at most 65535
             r1 = min(R, r0 + MAX_GRID_Y)
+            part = table if (r0, r1) == (0, R) else table.rows(r0, r1, xp)
             self._launch("attend", (H, r1 - r0), SHAPES["AT_THREADS"],
-                         [q[r0:r1], xp.asarray(kv[:, r0:r1].reshape(-1)), xp.asarray(pos[r0:r1]),
-                          r1 - r0, H, G, D, window, out[r0:r1]])
+                         [q[r0:r1], part.kv, part.stride, layer, part.pos, r1 - r0, H, G, D, window, out[r0:r1]])
         return out
+
+    def store(self, k, v, table, layer=0):
+        """Writes k, v `[R, G, D]` (any strides) at each row's position of layer `layer` (see `table`)."""
+        xp, R = self.xp, k.shape[0]
+        k = xp.ascontiguousarray(k, dtype=np.float32).reshape(R, -1)
+        v = xp.ascontiguousarray(v, dtype=np.float32).reshape(R, -1)
+        self._launch("store", (R, 1), SHAPES["ST_THREADS"], [k, v, table.kv, table.stride, layer, table.pos, R,
+                                                              k.shape[1]])
 
     def address(self, a):
         """The device (or host) address of a contiguous array's first element."""
