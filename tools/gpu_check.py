@@ -324,9 +324,10 @@ def speed(path, kernels, size):
            "params_b": round(_params(cfg) / 1e9, 3), "weight_bytes": weight_bytes(model.w)}
     rng = np.random.default_rng(2)
     model.forward(rng.integers(0, cfg.vocab_size, 32), model.new_cache(64))          # warm-up: compile, cuBLAS
+    out.update(kernel_bandwidth(model, xp))
     for n in size["prefill"]:
         ids = rng.integers(0, cfg.vocab_size, n)
-        s = timed(xp, lambda: model.forward(ids, model.new_cache(n + 1)))
+        s = min(timed(xp, lambda: model.forward(ids, model.new_cache(n + 1))) for _ in range(2))
         out[f"prefill_{n}_tok_s"] = round(n / s, 1)
     cache = model.new_cache(128 + size["decode_steps"] + 1)
     model.forward(rng.integers(0, cfg.vocab_size, 128), cache, logits="none")
@@ -341,6 +342,21 @@ def speed(path, kernels, size):
     kv = 2 * cfg.n_layer * (128 + size["decode_steps"] // 2) * cfg.n_kv_head * cfg.head_dim * 4
     out["bytes_per_token_b1"] = out["weight_bytes"] + kv
     return out
+
+
+def kernel_bandwidth(model, xp, reps=20):
+    """The block products alone at batch 1: one layer's four matrices and the head, each `reps`
+    times, as GB/s of weight bytes read (against the copy bandwidth: what the kernels reach
+    without the rest of a decode step)."""
+    lw = model.w.layers[0]
+    mats = [lw.wqkv, lw.wo, lw.w_gate_up, lw.w_down, model.w.head]
+    xs = [xp.ones((1, m.k), dtype=np.float32) for m in mats]
+    for m, x in zip(mats, xs):
+        x @ m                                                           # warm
+    s = timed(xp, lambda: [x @ m for _ in range(reps) for m, x in zip(mats, xs)])
+    nbytes = sum(m.nbytes for m in mats) * reps
+    return {"kernel_gb_s_b1": round(nbytes / s / 1e9, 1), "kernel_us_per_layer_b1": round(
+        (s / reps) * 1e6 * sum(m.nbytes for m in mats[:4]) / sum(m.nbytes for m in mats), 1)}
 
 
 def _params(cfg):
@@ -362,7 +378,8 @@ def roofline(speed_result, bandwidth):
     """Decode at batch 1 against the bound the copy bandwidth sets for its bytes per token."""
     bound = bandwidth["copy_gb_s"] * 1e9 / speed_result["bytes_per_token_b1"]
     return {"bound_tok_s_b1": round(bound, 1), "measured_tok_s_b1": speed_result["decode_1_tok_s"],
-            "fraction_of_bound_b1": round(speed_result["decode_1_tok_s"] / bound, 3)}
+            "fraction_of_bound_b1": round(speed_result["decode_1_tok_s"] / bound, 3),
+            "kernel_fraction_of_copy_b1": round(speed_result["kernel_gb_s_b1"] / bandwidth["copy_gb_s"], 3)}
 
 
 # ---------------------------------------------------------------------------- main

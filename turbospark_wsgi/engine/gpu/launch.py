@@ -127,10 +127,10 @@ def device_kernels(cupy):
     imported (raises when CuPy cannot compile or load them)."""
     module = cupy.RawModule(code=SOURCE.read_text(), options=tuple(_flags()) + ("--std=c++14",))
     scalars = {"i": np.int32, "l": np.int64, "f": np.float32}
-    functions = {}
+    functions = {name: module.get_function(name) for name in SIGNATURES}   # compiles and loads now
 
     def launch(name, grid, threads, args):
-        fn = functions.get(name) or functions.setdefault(name, module.get_function(name))
+        fn = functions[name]
         kinds = SIGNATURES[name]
         fn(grid, (threads,), tuple(np.uint64(0) if a is None and c == "p" else a if c == "p" else scalars[c](a)
                                    for c, a in zip(kinds, args)))
