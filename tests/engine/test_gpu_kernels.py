@@ -56,6 +56,19 @@ def test_matmul_matches_gguf_dequantize(kernels, qtype, batch):
     assert matmul_error(kernels, qtype, batch) < 1e-5
 
 
+def test_misaligned_inputs_are_copied_or_refused(kernels):
+    raw, k = random_blocks(2, 8, 64), 64
+    x = np.random.default_rng(0).standard_normal(k + 1).astype(np.float32)[1:][None]   # 4 bytes off
+    out, want = np.empty((1, 8), np.float32), np.empty((1, 8), np.float32)
+    kernels.matmul(x, raw, 2, k, out)
+    kernels.matmul(x.copy(), raw, 2, k, want)
+    np.testing.assert_array_equal(out, want)
+    shifted = np.empty(raw.size + 1, np.uint8)[1:]                     # numpy allocates 16-aligned
+    shifted[:] = raw.reshape(-1)
+    with pytest.raises(ValueError, match="aligned"):
+        kernels.matmul(x, shifted.reshape(raw.shape), 2, k, out)
+
+
 @pytest.mark.parametrize("qtype", sorted(KERNEL_TYPES), ids=lambda t: KERNEL_TYPES[t][0])
 def test_dequantize_is_gguf_dequantize_bit_for_bit(kernels, qtype):
     raw = random_blocks(qtype, 9, 512, seed=1)
@@ -126,10 +139,10 @@ def test_store_and_attend_address_each_sequence_and_layer(kernels):
 
 # one index broken per kernel (a mutant of the source): the checks above must see each
 MUTANTS = {
-    "Q4_0": ("w[i + 16] = (float)((b[2 + i] >> 4) - 8) * d;", "w[i + 16] = (float)((b[3 + i] >> 4) - 8) * d;"),
+    "Q4_0": ("w[i + 16] = (float)((int)(BYTE(q, i) >> 4) - 8) * d;", "w[i + 16] = (float)((int)(BYTE(q, i ^ 1) >> 4) - 8) * d;"),
     "Q4_1": ("const u8* b = row + u * 20;", "const u8* b = row + u * 18;"),
-    "Q8_0": ("w[i] = (float)(i8)b[2 + i] * d;", "w[i] = (float)(i8)b[2 + (i ^ 1)] * d;"),
-    "Q4_K": ("const u8* q = b + 16 + (j >> 1) * 32;", "const u8* q = b + 16 + (j & 1) * 32;"),
+    "Q8_0": ("w[i] = (float)(i8)BYTE(q, i) * d;", "w[i] = (float)(i8)BYTE(q, i ^ 1) * d;"),
+    "Q4_K": ("ld_words4(b + 16 + (j >> 1) * 32, q, 8);", "ld_words4(b + 16 + (j & 1) * 32, q, 8);"),
     "Q6_K": ("const i8* sc = (const i8*)(b + 192 + h * 8 + qq * 2);", "const i8* sc = (const i8*)(b + 192 + h * 8 + qq);"),
     "qmatmul": ("for (int l = 0; l < MM_LANES; ++l) s += part[b][tid + l];",
                 "for (int l = 1; l < MM_LANES; ++l) s += part[b][tid + l];"),

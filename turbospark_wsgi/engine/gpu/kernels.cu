@@ -63,9 +63,36 @@ __host__ __device__ __forceinline__ float bits_float(unsigned u) {
 #endif
 }
 
-// the little-endian IEEE half at p (any alignment)
+// Wide loads. Blocks are read 2 or 4 bytes at a time where the layout guarantees that alignment
+// for every block of every row (rows are whole multiples of their block size, which is even, and
+// a multiple of 4 for Q4_1 and Q4_K); x four floats at a time (rows of 32k floats, 16-aligned base).
+#ifdef __CUDACC__
+#define UNROLL _Pragma("unroll")
+__device__ __forceinline__ unsigned ld16(const u8* p) { return *(const unsigned short*)p; }
+__device__ __forceinline__ unsigned ld32(const u8* p) { return *(const unsigned*)p; }
+__device__ __forceinline__ void ld_f4(const float* p, float* v) {
+  float4 t = *(const float4*)p;
+  v[0] = t.x, v[1] = t.y, v[2] = t.z, v[3] = t.w;
+}
+#else
+#define UNROLL
+inline unsigned ld16(const u8* p) { unsigned short v; memcpy(&v, p, 2); return v; }
+inline unsigned ld32(const u8* p) { unsigned v; memcpy(&v, p, 4); return v; }
+inline void ld_f4(const float* p, float* v) { memcpy(v, p, 16); }
+#endif
+
+// 4n bytes at p (2-aligned) as n little-endian words; BYTE(q, i) is byte i of them
+__host__ __device__ __forceinline__ void ld_words2(const u8* p, unsigned* q, int n) {
+  UNROLL for (int i = 0; i < n; ++i) q[i] = ld16(p + 4 * i) | (ld16(p + 4 * i + 2) << 16);
+}
+__host__ __device__ __forceinline__ void ld_words4(const u8* p, unsigned* q, int n) {
+  UNROLL for (int i = 0; i < n; ++i) q[i] = ld32(p + 4 * i);
+}
+#define BYTE(q, i) (((q)[(i) >> 2] >> (((i) & 3) * 8)) & 255u)
+
+// the little-endian IEEE half at p (2-aligned)
 __host__ __device__ __forceinline__ float f16(const u8* p) {
-  unsigned h = p[0] | (p[1] << 8);
+  unsigned h = ld16(p);
   unsigned sign = (h & 0x8000u) << 16, e = (h >> 10) & 31, m = h & 1023;
   if (e == 0) {
     float v = (float)m * 5.9604644775390625e-08f;    // subnormal: m * 2^-24
@@ -77,24 +104,28 @@ __host__ __device__ __forceinline__ float f16(const u8* p) {
 
 // weights u*32 .. u*32+31 of a row of type t, as float32
 __host__ __device__ void decode32(int t, const u8* row, int u, float* w) {
+  unsigned q[8], hq[8];
   if (t == Q4_0) {                           // 18 bytes: half d, 16 bytes (low nibbles 0-15, high 16-31)
     const u8* b = row + u * 18;
     float d = f16(b);
-    for (int i = 0; i < 16; ++i) {
-      w[i] = (float)((b[2 + i] & 15) - 8) * d;
-      w[i + 16] = (float)((b[2 + i] >> 4) - 8) * d;
+    ld_words2(b + 2, q, 4);
+    UNROLL for (int i = 0; i < 16; ++i) {
+      w[i] = (float)((int)(BYTE(q, i) & 15) - 8) * d;
+      w[i + 16] = (float)((int)(BYTE(q, i) >> 4) - 8) * d;
     }
   } else if (t == Q4_1) {                    // 20 bytes: half d, half m, 16 bytes as Q4_0
     const u8* b = row + u * 20;
     float d = f16(b), m = f16(b + 2);
-    for (int i = 0; i < 16; ++i) {
-      w[i] = (float)(b[4 + i] & 15) * d + m;
-      w[i + 16] = (float)(b[4 + i] >> 4) * d + m;
+    ld_words4(b + 4, q, 4);
+    UNROLL for (int i = 0; i < 16; ++i) {
+      w[i] = (float)(BYTE(q, i) & 15) * d + m;
+      w[i + 16] = (float)(BYTE(q, i) >> 4) * d + m;
     }
   } else if (t == Q8_0) {                    // 34 bytes: half d, 32 int8
     const u8* b = row + u * 34;
     float d = f16(b);
-    for (int i = 0; i < 32; ++i) w[i] = (float)(i8)b[2 + i] * d;
+    ld_words2(b + 2, q, 8);
+    UNROLL for (int i = 0; i < 32; ++i) w[i] = (float)(i8)BYTE(q, i) * d;
   } else if (t == Q4_K) {                    // 144 bytes per 256: half d, half dmin, 12 bytes of 6-bit scales/mins, 128 bytes
     const u8* b = row + (u >> 3) * 144;
     const u8* s = b + 4;
@@ -107,20 +138,20 @@ __host__ __device__ void decode32(int t, const u8* row, int u, float* w) {
       mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
     }
     float d = f16(b) * (float)sc, m = f16(b + 2) * (float)mn;
-    const u8* q = b + 16 + (j >> 1) * 32;    // sub-blocks 2c and 2c+1: low and high nibbles of 32 bytes
+    ld_words4(b + 16 + (j >> 1) * 32, q, 8); // sub-blocks 2c and 2c+1: low and high nibbles of 32 bytes
     int shift = (j & 1) * 4;
-    for (int i = 0; i < 32; ++i) w[i] = d * (float)((q[i] >> shift) & 15) - m;
+    UNROLL for (int i = 0; i < 32; ++i) w[i] = d * (float)((BYTE(q, i) >> shift) & 15) - m;
   } else {                                   // Q6_K, 210 bytes per 256: ql[128], qh[64], int8 scales[16], half d
     const u8* b = row + (u >> 3) * 210;
     int j = u & 7, h = j >> 2, qq = j & 3;   // half of the super-block, quarter of that half
-    const u8* ql = b + h * 64 + (qq & 1) * 32;
-    const u8* qh = b + 128 + h * 32;
+    ld_words2(b + h * 64 + (qq & 1) * 32, q, 8);   // ql
+    ld_words2(b + 128 + h * 32, hq, 8);            // qh
     const i8* sc = (const i8*)(b + 192 + h * 8 + qq * 2);
     int ls = (qq >> 1) * 4, hs = qq * 2;
-    float d = f16(b + 208);
-    for (int i = 0; i < 32; ++i) {
-      int q = (((ql[i] >> ls) & 15) | (((qh[i] >> hs) & 3) << 4)) - 32;
-      w[i] = d * (float)sc[i >> 4] * (float)q;
+    float d = f16(b + 208), d0 = d * (float)sc[0], d1 = d * (float)sc[1];
+    UNROLL for (int i = 0; i < 32; ++i) {
+      int v = (int)(((BYTE(q, i) >> ls) & 15) | (((BYTE(hq, i) >> hs) & 3) << 4)) - 32;
+      w[i] = (i < 16 ? d0 : d1) * (float)v;
     }
   }
 }
@@ -142,8 +173,11 @@ __host__ __device__ void qmatmul_block(int bx, int by, int t, const u8* W, int n
           int row = by * MM_BATCH + b;
           if (row < B) {
             const float* xr = x + (long)row * ldx + u * UNIT;
-            float s = 0.0f;
-            for (int i = 0; i < UNIT; ++i) s += w[i] * xr[i];
+            float s = 0.0f, xv[4];
+            UNROLL for (int i = 0; i < UNIT; i += 4) {
+              ld_f4(xr + i, xv);
+              s += w[i] * xv[0] + w[i + 1] * xv[1] + w[i + 2] * xv[2] + w[i + 3] * xv[3];
+            }
             acc[b] += s;
           }
         }

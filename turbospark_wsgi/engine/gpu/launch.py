@@ -64,7 +64,11 @@ class Kernels:
         """out[:, col0:col0+n] = scale * x @ W.T for W = `blocks` (uint8 [n, row_bytes] of `qtype`
         with rows of k weights) and x float32 [B, k] (contiguous)."""
         n, B = blocks.shape[0], x.shape[0]
+        if self.address(blocks) % 4:                                    # kernels.cu: wide loads
+            raise ValueError("weight blocks must start 4-byte aligned")
         if B <= GEMV_ROWS:
+            if self.address(x) % 16:                                    # read as float4
+                x = x.copy()
             grid = (-(-B // SHAPES["MM_BATCH"]), -(-n // MM_ROWS))       # kernels.cu: (inputs, rows)
             self._launch("qmatmul", grid, SHAPES["MM_THREADS"],
                          [qtype, blocks, n, k, blocks.shape[1], x, k, B, out, out.shape[1], col0, scale])
