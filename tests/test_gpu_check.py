@@ -34,6 +34,7 @@ def test_dry_run_runs_every_step_and_writes_its_report(gpu_check, tmp_path, caps
                 "bytes_per_token_b1"):
         assert speed[key] > 0
     assert 0 < steps["roofline"]["fraction_of_bound_b1"]
+    assert [v["gb_s_b1"] > 0 and v["gb_s_b8"] > 0 for v in speed["launch_shapes"]] == [True]
     log = (tmp_path / "gpu_check.log").read_text()
     assert all(f"] {step}: " in log for step in steps)
     assert capsys.readouterr().out.strip() == log.strip()                 # printed as written

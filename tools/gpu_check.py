@@ -14,7 +14,8 @@ short keeps what it measured) and OUT_DIR/gpu_check.log. Steps:
    tokens, and batched decode == each sequence alone.
 4. speed, on a random-weight ~1B llama it writes (Q4_0 layers, Q8_0 embedding and head): prefill
    tok/s at 512 and 4096 tokens, single-stream decode, batched aggregate at B = 1, 8, 32, 128; the
-   bytes a decode step reads per token against the measured device copy bandwidth.
+   bytes a decode step reads per token against the measured device copy bandwidth; the block
+   products alone at batch 1, and with other qmatmul launch shapes (threads per row, rows per block).
 
 `--device cpu` is the dry run: the same code to the end on small sizes, the kernels built for the
 host (tests/test_gpu_check.py runs it). Steps past --budget-s are skipped and say so.
@@ -48,11 +49,13 @@ SIZES = {
     "cuda": {"parity": dict(dim=512, n_layer=4, n_head=8, n_kv_head=4, ffn=1536, vocab=4096),
              "speed": dict(dim=2048, n_layer=16, n_head=32, n_kv_head=8, ffn=8192, vocab=32000),
              "prompt": 256, "greedy": 64, "batched": (4, 16), "prefill": (512, 4096), "decode_steps": 64,
-             "batches": (1, 8, 32, 128), "batch_steps": 16, "batch_depth": 64, "copy_mib": 1024},
+             "batches": (1, 8, 32, 128), "batch_steps": 16, "batch_depth": 64, "copy_mib": 1024,
+             "variants": [{"MM_LANES": lanes, "MM_BATCH": batch} for lanes in (8, 16, 32) for batch in (4, 8)]},
     "cpu": {"parity": dict(dim=256, n_layer=2, n_head=4, n_kv_head=2, ffn=512, vocab=512),
             "speed": dict(dim=256, n_layer=2, n_head=4, n_kv_head=2, ffn=512, vocab=1024),
             "prompt": 24, "greedy": 8, "batched": (3, 4), "prefill": (16, 64), "decode_steps": 4,
-            "batches": (1, 2, 4), "batch_steps": 2, "batch_depth": 8, "copy_mib": 64},
+            "batches": (1, 2, 4), "batch_steps": 2, "batch_depth": 8, "copy_mib": 64,
+            "variants": [{"MM_LANES": 8, "MM_BATCH": 8}]},
 }
 
 
@@ -120,11 +123,12 @@ def ensure_packages():
 # ---------------------------------------------------------------------------- 2. device
 
 def open_device(device):
-    """(kernels, facts): the device's kernels (launch.Kernels) and what it is."""
-    from turbospark_wsgi.engine.gpu.launch import host_kernels
+    """(kernels, make_kernels, facts): the device's kernels (launch.Kernels), a function building
+    them with other launch shapes, and what the device is."""
+    from turbospark_wsgi.engine.gpu.launch import device_kernels, host_kernels
     if device == "cpu":
         pages, size = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
-        return host_kernels(), {"name": f"host CPU ({platform.machine()}, {os.cpu_count()} cores; dry run)",
+        return host_kernels(), host_kernels, {"name": f"host CPU ({platform.machine()}, {os.cpu_count()} cores; dry run)",
                                 "memory_gib": round(pages * size / 2**30, 1), "kernels": "host build"}
     from turbospark_wsgi.engine.backend import select_backend
     backend = select_backend("cuda")
@@ -134,7 +138,7 @@ def open_device(device):
     props = cp.cuda.runtime.getDeviceProperties(0)
     free, total = cp.cuda.Device(0).mem_info
     name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
-    return backend.kernels, {"name": name, "memory_gib": round(total / 2**30, 1), "free_gib": round(free / 2**30, 1),
+    return backend.kernels, lambda shapes: device_kernels(cp, shapes), {"name": name, "memory_gib": round(total / 2**30, 1), "free_gib": round(free / 2**30, 1),
                              "compute_capability": f"{props['major']}.{props['minor']}", "cupy": cp.__version__,
                              "cuda_runtime": cp.cuda.runtime.runtimeGetVersion(), "kernels": "CuPy RawModule (NVRTC)"}
 
@@ -310,7 +314,7 @@ def timed(xp, fn):
     return time.perf_counter() - t
 
 
-def speed(path, kernels, size):
+def speed(path, kernels, size, make_kernels=None):
     from turbospark_wsgi.engine.gguf import GGUFFile, model_config_from_gguf
     from turbospark_wsgi.engine.gpu.model import load_device_model
     from turbospark_wsgi.engine.gpu.weights import weight_bytes
@@ -341,6 +345,8 @@ def speed(path, kernels, size):
         out[f"batch_{b}_aggregate_tok_s"] = round(b * size["batch_steps"] / s, 1)
     kv = 2 * cfg.n_layer * (128 + size["decode_steps"] // 2) * cfg.n_kv_head * cfg.head_dim * 4
     out["bytes_per_token_b1"] = out["weight_bytes"] + kv
+    if make_kernels is not None:
+        out["launch_shapes"] = launch_shapes(model, make_kernels, size["variants"], xp)
     return out
 
 
@@ -348,15 +354,40 @@ def kernel_bandwidth(model, xp, reps=20):
     """The block products alone at batch 1: one layer's four matrices and the head, each `reps`
     times, as GB/s of weight bytes read (against the copy bandwidth: what the kernels reach
     without the rest of a decode step)."""
+    mats = _matrices(model)
+    gb_s = product_gb_s(mats, xp, 1, reps)
+    share = sum(m.nbytes for m in mats[:4]) / sum(m.nbytes for m in mats)
+    return {"kernel_gb_s_b1": gb_s, "kernel_us_per_layer_b1": round(
+        sum(m.nbytes for m in mats) / (gb_s * 1e9) * share * 1e6, 1)}
+
+
+def _matrices(model):
     lw = model.w.layers[0]
-    mats = [lw.wqkv, lw.wo, lw.w_gate_up, lw.w_down, model.w.head]
-    xs = [xp.ones((1, m.k), dtype=np.float32) for m in mats]
+    return [lw.wqkv, lw.wo, lw.w_gate_up, lw.w_down, model.w.head]
+
+
+def product_gb_s(mats, xp, rows, reps):
+    """GB/s of weight bytes read by `reps` products of `rows` input rows with each of `mats`."""
+    xs = [xp.ones((rows, m.k), dtype=np.float32) for m in mats]
     for m, x in zip(mats, xs):
         x @ m                                                           # warm
     s = timed(xp, lambda: [x @ m for _ in range(reps) for m, x in zip(mats, xs)])
-    nbytes = sum(m.nbytes for m in mats) * reps
-    return {"kernel_gb_s_b1": round(nbytes / s / 1e9, 1), "kernel_us_per_layer_b1": round(
-        (s / reps) * 1e6 * sum(m.nbytes for m in mats[:4]) / sum(m.nbytes for m in mats), 1)}
+    return float(f"{sum(m.nbytes for m in mats) * reps / s / 1e9:.4g}")
+
+
+def launch_shapes(model, make_kernels, variants, xp, reps=20):
+    """qmatmul built with other launch shapes on the same weights: GB/s at 1 and 8 input rows."""
+    from turbospark_wsgi.engine.gpu.weights import DeviceLinear
+    out = []
+    for shapes in variants:
+        try:
+            kernels = make_kernels(shapes)
+            mats = [DeviceLinear(m.parts, kernels) for m in _matrices(model)]
+            out.append({**shapes, "gb_s_b1": product_gb_s(mats, xp, 1, reps),
+                        "gb_s_b8": product_gb_s(mats, xp, 8, reps)})
+        except Exception as exc:   # one shape failing to build or run leaves the others measured
+            out.append({**shapes, "error": f"{type(exc).__name__}: {exc}"})
+    return out
 
 
 def _params(cfg):
@@ -399,7 +430,7 @@ def main(argv=None):
     held = {}
 
     def device():
-        held["kernels"], facts = open_device(args.device)
+        held["kernels"], held["make_kernels"], facts = open_device(args.device)
         return facts
 
     if report.run("device", device) is None:
@@ -414,7 +445,7 @@ def main(argv=None):
         big = report.run("write_speed_model", lambda: str(write_llama(
             Path(work) / "random-llama.gguf", **size["speed"], types=SPEED)))
         bandwidth = report.run("copy_bandwidth", copy_bandwidth, kernels.xp, size["copy_mib"])
-        result = report.run("speed", speed, big, kernels, size) if big else None
+        result = report.run("speed", speed, big, kernels, size, held["make_kernels"]) if big else None
         if result and bandwidth:
             report.run("roofline", roofline, result, bandwidth)
     report.data["finished"] = True

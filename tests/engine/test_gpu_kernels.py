@@ -69,6 +69,14 @@ def test_misaligned_inputs_are_copied_or_refused(kernels):
         kernels.matmul(x, shifted.reshape(raw.shape), 2, k, out)
 
 
+@pytest.mark.parametrize("shapes", [{"MM_LANES": 8, "MM_BATCH": 8}, {"MM_THREADS": 128, "MM_LANES": 16}])
+def test_other_launch_shapes_compute_the_same_products(shapes):
+    other = host_kernels(shapes)
+    for qtype in KERNEL_TYPES:
+        for batch in (1, 9):
+            assert matmul_error(other, qtype, batch) < 1e-5
+
+
 @pytest.mark.parametrize("qtype", sorted(KERNEL_TYPES), ids=lambda t: KERNEL_TYPES[t][0])
 def test_dequantize_is_gguf_dequantize_bit_for_bit(kernels, qtype):
     raw = random_blocks(qtype, 9, 512, seed=1)

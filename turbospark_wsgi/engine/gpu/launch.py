@@ -19,10 +19,10 @@ SOURCE = Path(__file__).with_name("kernels.cu")
 KERNEL_TYPES = {2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 8: ("Q8_0", 32, 34), 12: ("Q4_K", 256, 144),
                 14: ("Q6_K", 256, 210)}
 UNIT = 32                       # weights a thread decodes at once (kernels.cu UNIT)
-# launch shapes, passed to both builds as -D flags (kernels.cu holds the same defaults)
+# launch shapes, passed to both builds as -D flags (kernels.cu holds the same defaults); a build
+# may override some (tools/gpu_check.py tries other qmatmul shapes)
 SHAPES = {"MM_THREADS": 256, "MM_LANES": 32, "MM_BATCH": 4, "DQ_THREADS": 256, "AT_THREADS": 128, "AT_DMAX": 256,
           "ST_THREADS": 128}
-MM_ROWS = SHAPES["MM_THREADS"] // SHAPES["MM_LANES"]
 # PERF(gemv): products of at most this many input rows run on qmatmul (weights read once per
 # MM_BATCH rows); longer ones dequantize the matrix and multiply with the BLAS (cuBLAS on a GPU).
 GEMV_ROWS = 16
@@ -37,8 +37,8 @@ def supported(ggml_type, shape):
     return ggml_type in KERNEL_TYPES and len(shape) == 2 and shape[1] % KERNEL_TYPES[ggml_type][1] == 0
 
 
-def _flags():
-    return [f"-D{k}={v}" for k, v in SHAPES.items()]
+def _flags(shapes):
+    return [f"-D{k}={v}" for k, v in shapes.items()]
 
 
 @dataclass(slots=True)
@@ -55,10 +55,12 @@ class KVTable:
 
 
 class Kernels:
-    """The kernels on `xp` arrays. `launch(name, grid, threads, args)` runs one of them."""
+    """The kernels on `xp` arrays, built with launch `shapes`. `launch(name, grid, threads, args)`
+    runs one of them."""
 
-    def __init__(self, xp, launch, name):
+    def __init__(self, xp, launch, name, shapes=None):
         self.xp, self._launch, self.name = xp, launch, name
+        self.shapes = dict(shapes or SHAPES)
 
     def matmul(self, x, blocks, qtype, k, out, col0=0, scale=1.0):
         """out[:, col0:col0+n] = scale * x @ W.T for W = `blocks` (uint8 [n, row_bytes] of `qtype`
@@ -69,8 +71,9 @@ class Kernels:
         if B <= GEMV_ROWS:
             if self.address(x) % 16:                                    # read as float4
                 x = x.copy()
-            grid = (-(-B // SHAPES["MM_BATCH"]), -(-n // MM_ROWS))       # kernels.cu: (inputs, rows)
-            self._launch("qmatmul", grid, SHAPES["MM_THREADS"],
+            sh = self.shapes
+            grid = (-(-B // sh["MM_BATCH"]), -(-n // (sh["MM_THREADS"] // sh["MM_LANES"])))   # (inputs, rows)
+            self._launch("qmatmul", grid, sh["MM_THREADS"],
                          [qtype, blocks, n, k, blocks.shape[1], x, k, B, out, out.shape[1], col0, scale])
         else:
             out[:, col0:col0 + n] = x @ self.dequantize(blocks, qtype, k, scale=scale).T
@@ -79,8 +82,8 @@ class Kernels:
         """float32 [n, k]: rows `rows` (int32 device array; default all) of W, times `scale`."""
         n = blocks.shape[0] if rows is None else rows.shape[0]
         out = self.xp.empty((n, k), dtype=np.float32)
-        grid = (-(-n * (k // UNIT) // SHAPES["DQ_THREADS"]), 1)
-        self._launch("dequant", grid, SHAPES["DQ_THREADS"],
+        grid = (-(-n * (k // UNIT) // self.shapes["DQ_THREADS"]), 1)
+        self._launch("dequant", grid, self.shapes["DQ_THREADS"],
                      [qtype, blocks, n, k, blocks.shape[1], rows, out, k, scale])
         return out
 
@@ -97,15 +100,15 @@ class Kernels:
         """Attention of query rows q `[R, H, D]` (pre-scaled): row r at position table.pos[r] over
         its keys and values (see `table`), of layer `layer`. Returns `[R, H*D]`."""
         R, H, D = q.shape
-        if D > SHAPES["AT_DMAX"] or H % G:
-            raise ValueError(f"attention kernel: head size {D} (max {SHAPES['AT_DMAX']}), {H} heads over {G}")
+        if D > self.shapes["AT_DMAX"] or H % G:
+            raise ValueError(f"attention kernel: head size {D} (max {self.shapes['AT_DMAX']}), {H} heads over {G}")
         xp = self.xp
         q = xp.ascontiguousarray(q, dtype=np.float32)
         out = xp.empty((R, H * D), dtype=np.float32)
         for r0 in range(0, R, MAX_GRID_Y):                              # grid.y is at most 65535
             r1 = min(R, r0 + MAX_GRID_Y)
             part = table if (r0, r1) == (0, R) else table.rows(r0, r1, xp)
-            self._launch("attend", (H, r1 - r0), SHAPES["AT_THREADS"],
+            self._launch("attend", (H, r1 - r0), self.shapes["AT_THREADS"],
                          [q[r0:r1], part.kv, part.stride, layer, part.pos, r1 - r0, H, G, D, window, out[r0:r1]])
         return out
 
@@ -114,7 +117,7 @@ class Kernels:
         xp, R = self.xp, k.shape[0]
         k = xp.ascontiguousarray(k, dtype=np.float32).reshape(R, -1)
         v = xp.ascontiguousarray(v, dtype=np.float32).reshape(R, -1)
-        self._launch("store", (R, 1), SHAPES["ST_THREADS"], [k, v, table.kv, table.stride, layer, table.pos, R,
+        self._launch("store", (R, 1), self.shapes["ST_THREADS"], [k, v, table.kv, table.stride, layer, table.pos, R,
                                                               k.shape[1]])
 
     def address(self, a):
@@ -126,10 +129,11 @@ class Kernels:
 
 # ---------------------------------------------------------------------------- GPU build
 
-def device_kernels(cupy):
+def device_kernels(cupy, shapes=None):
     """The kernels compiled by NVRTC for the current CUDA device, `cupy` the module backend.py
-    imported (raises when CuPy cannot compile or load them)."""
-    module = cupy.RawModule(code=SOURCE.read_text(), options=tuple(_flags()) + ("--std=c++14",))
+    imported (raises when CuPy cannot compile or load them); `shapes` overrides some of SHAPES."""
+    shapes = {**SHAPES, **(shapes or {})}
+    module = cupy.RawModule(code=SOURCE.read_text(), options=tuple(_flags(shapes)) + ("--std=c++14",))
     scalars = {"i": np.int32, "l": np.int64, "f": np.float32}
     functions = {name: module.get_function(name) for name in SIGNATURES}   # compiles and loads now
 
@@ -139,31 +143,33 @@ def device_kernels(cupy):
         fn(grid, (threads,), tuple(np.uint64(0) if a is None and c == "p" else a if c == "p" else scalars[c](a)
                                    for c, a in zip(kinds, args)))
 
-    return Kernels(cupy, launch, "cuda")
+    return Kernels(cupy, launch, "cuda", shapes)
 
 
 # ---------------------------------------------------------------------------- host build
 
 _HOST_LOCK = threading.Lock()
-_HOST = []
+_HOST = {}
 
 
-def host_kernels():
+def host_kernels(shapes=None):
     """The kernels built for the host by a C++ compiler (for tests and `tools/gpu_check.py
-    --device cpu`); raises RuntimeError when there is none."""
+    --device cpu`), `shapes` overriding some of SHAPES; raises RuntimeError without a compiler."""
+    shapes = {**SHAPES, **(shapes or {})}
+    key = tuple(sorted(shapes.items()))
     with _HOST_LOCK:
-        if not _HOST:
-            _HOST.append(Kernels(np, _host_launcher(_build_host_library()), "host"))
-        return _HOST[0]
+        if key not in _HOST:
+            _HOST[key] = Kernels(np, _host_launcher(_build_host_library(shapes=shapes)), "host", shapes)
+        return _HOST[key]
 
 
-def _build_host_library(source=None, flags=()):
+def _build_host_library(source=None, shapes=None):
     """Builds `source` (default kernels.cu) as a shared library (cached by content) and loads it."""
     text = (source if source is not None else SOURCE.read_text()).encode()
     cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if not cxx:
         raise RuntimeError("no C++ compiler (g++ or $CXX) to build the host kernels")
-    args = ["-O2", "-shared", "-fPIC", "-x", "c++", *_flags(), *flags]
+    args = ["-O2", "-shared", "-fPIC", "-x", "c++", *_flags(shapes or SHAPES)]
     key = hashlib.sha256(text + " ".join(args).encode()).hexdigest()[:16]
     path = Path(tempfile.gettempdir()) / f"turbospark-gpu-kernels-{key}.so"
     if not path.exists():
