@@ -117,6 +117,11 @@ def test_attention_matches_softmax_reference(kernels, window, D):
     assert attention_error(kernels, window, D) < 1e-5
 
 
+def test_attention_cuts_the_rows_where_the_grid_ends(kernels, monkeypatch):
+    monkeypatch.setattr(launch, "MAX_GRID_Y", 4)                          # 6 rows: 4 + 2
+    assert attention_error(kernels, window=5) < 1e-5
+
+
 def test_attention_rejects_shapes_it_cannot_run(kernels):
     kv = np.zeros((4, 1, 512), np.float32)
     with pytest.raises(ValueError, match="head size 512"):
