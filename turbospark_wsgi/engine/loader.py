@@ -58,12 +58,14 @@ def _load(path, options):
         kind, metadata, cfg, source = "gguf", *_open_gguf(path)
     _check_shapes(cfg, source, kind)
     plan = kernel_plan(options)
-    if _quantized(options.weights, kind, backend.name):
-        tensors = load_quantized_weights(cfg, source, plan)
+    if backend.kernels is not None and kind == "gguf" and options.weights != "fp32":
+        from .gpu.model import load_device_model     # GGUF blocks on the device
+        model = load_device_model(cfg, source, backend.kernels)
+    elif _quantized(options.weights, kind, backend.name):
+        model = Transformer(cfg, load_quantized_weights(cfg, source, plan), backend.xp, plan)
         kernels_cpu.limit_blas_threads(1)
     else:
-        tensors = load_weights(cfg, source, kind, backend.xp)
-    model = Transformer(cfg, tensors, backend.xp, plan)
+        model = Transformer(cfg, load_weights(cfg, source, kind, backend.xp), backend.xp, plan)
     if model.fused_attention:
         # NOTE(cold-start): the kernels compile (or load from numba's cache) here, so a server says
         # it is ready only once its first request runs at full speed
