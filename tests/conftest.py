@@ -213,30 +213,67 @@ def client(harness):
     return harness.client()
 
 
-@pytest.fixture(scope="session")
-def redis_url(tmp_path_factory):
-    """A real redis-server on loopback for the session (skips without one: .ci/run installs it)."""
-    redis = pytest.importorskip("redis")
-    binary = shutil.which("redis-server")
-    if binary is None:
-        pytest.skip("redis-server absent")
+class RedisServer:
+    """A real redis-server on loopback, in memory only; stop() and start() again keep its port."""
+
+    def __init__(self, workdir, port=None):
+        self.binary = shutil.which("redis-server")
+        self.dir = workdir
+        self.port = port or _free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.proc = None
+
+    def start(self, timeout=10.0):
+        """Starts it and waits for PING; False when it did not come up."""
+        import redis
+        self.proc = subprocess.Popen([self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+                                      "--appendonly", "no", "--dir", str(self.dir)],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        client, deadline = redis.Redis.from_url(self.url), time.monotonic() + timeout
+        while True:
+            try:
+                client.ping()
+                return True
+            except redis.RedisError:
+                if time.monotonic() > deadline or self.proc.poll() is not None:
+                    self.stop()
+                    return False
+                time.sleep(0.05)
+
+    def stop(self):
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(10)
+
+
+def _free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                             "--dir", str(tmp_path_factory.mktemp("redis"))],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"redis://127.0.0.1:{port}/0"
-    client, deadline = redis.Redis.from_url(url), time.monotonic() + 10
-    while True:
-        try:
-            client.ping()
-            break
-        except redis.RedisError:
-            if time.monotonic() > deadline or proc.poll() is not None:
-                proc.kill()
-                pytest.skip("redis-server did not start")
-            time.sleep(0.05)
-    yield url
-    proc.terminate()
-    proc.wait(10)
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def start_redis(tmp_path_factory):
+    """start_redis() -> a started RedisServer of its own (skips without redis-server: .ci/run
+    installs it); every one is stopped at the end of the session."""
+    pytest.importorskip("redis")
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server absent")
+    started = []
+
+    def start():
+        server = RedisServer(tmp_path_factory.mktemp("redis"))
+        started.append(server)
+        if not server.start():
+            pytest.skip("redis-server did not start")
+        return server
+
+    yield start
+    for server in started:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_url(start_redis):
+    """A real redis-server on loopback for the session (skips without one: .ci/run installs it)."""
+    return start_redis().url
