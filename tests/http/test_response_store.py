@@ -7,9 +7,10 @@ import uuid
 
 import pytest
 
-from test_limits import KEYS, auth, digest
+from test_limits import KEYS, auth
 from turbospark_wsgi.config import Config, ConfigError
-from turbospark_wsgi.response_store import MemoryResponseStore, open_store, owner_of
+from turbospark_wsgi.middleware import caller_of
+from turbospark_wsgi.response_store import MemoryResponseStore, open_store
 
 redis = pytest.importorskip("redis")
 response_store_redis = pytest.importorskip("turbospark_wsgi.response_store_redis")
@@ -72,7 +73,7 @@ def test_an_entry_is_its_owners_alone(make):
 
 def test_redis_entries_have_the_ttl_the_cap_and_the_owners_digest_only():
     store = fake_store(item_bytes=2000, ttl=90)
-    owner = owner_of(digest(KEYS["alice"]))
+    owner = caller_of(KEYS["alice"], "").owner
     store.put(owner, body("r1"), [{"role": "user", "content": "hello"}])
     store.put(owner, body("big", pad=3000), [])
     fake = store._redis

@@ -3,7 +3,6 @@ by the chat path (template, tools, reasoning split, grammars) and a response sto
 this worker's memory, or Redis shared by every replica), each response visible to its own key only."""
 from ..errors import ApiError, InvalidRequest, NotFound
 from ..middleware import caller, read_json
-from ..response_store import owner_of
 from ..schemas.responses import parse_responses
 from ..schemas.responses_input import assistant_turn
 from ..schemas.responses_render import ResponseReply, ResponseStream, response_body
@@ -28,7 +27,7 @@ class Responses:
         self._service.check_room(caller(req).client)   # NOTE(overload): a full server says so before any work
         # NOTE(order): the body and the stored history are checked before any model is resolved.
         request = parse_responses(read_json(req, self._max_body))
-        owner = owner_of(caller(req).digest)
+        owner = caller(req).owner
         parent = self._previous(request, owner)
         if request.store and parent is None:
             self._store.check()         # NOTE(outage): a store out of reach refuses before any work
@@ -81,12 +80,12 @@ class StoredResponse:
         if req.get_param("stream", default="false").lower() not in ("false", "0"):
             raise InvalidRequest("Streaming a stored response again is not supported; GET it without "
                                  "'stream'.", param="stream")
-        entry = self._store.get(owner_of(caller(req).digest), response_id)
+        entry = self._store.get(caller(req).owner, response_id)
         if entry is None:
             raise not_found(response_id)
         resp.media = entry.body
 
     def on_delete(self, req, resp, response_id):
-        if not self._store.delete(owner_of(caller(req).digest), response_id):
+        if not self._store.delete(caller(req).owner, response_id):
             raise not_found(response_id)
         resp.media = {"id": response_id, "object": "response", "deleted": True}
