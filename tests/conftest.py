@@ -214,21 +214,23 @@ def client(harness):
 
 
 class RedisServer:
-    """A real redis-server on loopback, in memory only; stop() and start() again keep its port."""
+    """A real redis-server on loopback, in memory only or as config file `conf` says (its port,
+    address and directory replaced); stop() and start() again keep its port."""
 
-    def __init__(self, workdir, port=None):
+    def __init__(self, workdir, port=None, conf=None):
         self.binary = shutil.which("redis-server")
         self.dir = workdir
         self.port = port or _free_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.conf = conf
         self.proc = None
 
     def start(self, timeout=10.0):
         """Starts it and waits for PING; False when it did not come up."""
         import redis
-        self.proc = subprocess.Popen([self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                                      "--appendonly", "no", "--dir", str(self.dir)],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        first = [str(self.conf)] if self.conf else ["--save", "", "--appendonly", "no"]
+        self.proc = subprocess.Popen([self.binary, *first, "--port", str(self.port), "--bind", "127.0.0.1",
+                                      "--dir", str(self.dir)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         client, deadline = redis.Redis.from_url(self.url), time.monotonic() + timeout
         while True:
             try:
@@ -254,15 +256,15 @@ def _free_port():
 
 @pytest.fixture(scope="session")
 def start_redis(tmp_path_factory):
-    """start_redis() -> a started RedisServer of its own (skips without redis-server: .ci/run
+    """start_redis(conf=None) -> a started RedisServer of its own (skips without redis-server: .ci/run
     installs it); every one is stopped at the end of the session."""
     pytest.importorskip("redis")
     if shutil.which("redis-server") is None:
         pytest.skip("redis-server absent")
     started = []
 
-    def start():
-        server = RedisServer(tmp_path_factory.mktemp("redis"))
+    def start(conf=None):
+        server = RedisServer(tmp_path_factory.mktemp("redis"), conf=conf)
         started.append(server)
         if not server.start():
             pytest.skip("redis-server did not start")
