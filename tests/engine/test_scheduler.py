@@ -312,3 +312,16 @@ def test_a_slot_taken_by_another_salt_starts_empty():
     assert salted(model, sched, prompt, "bob")[-1].cached_tokens == 0
     assert model.calls[0] == prompt[:4]                     # the whole prompt ran again
     assert salted(model, sched, prompt, "alice")[-1].cached_tokens == 0   # alice's ids went with it
+
+
+def test_a_new_conversation_sharing_only_a_template_start_keeps_off_another_ones_slot():
+    start = ids("<sys>")                                   # what every chat template puts first
+    a, b = start + ids("the cat sat on the mat"), start + ids("zzzz yyyy qqqq rrrr ss")
+    model = ScriptedModel(lambda cache: script_for(cache.tokens, "x"))
+    sched = scheduler(model, max_batch=2, chunk=4)
+    salted(model, sched, a, "")
+    assert salted(model, sched, b, "")[-1].cached_tokens == 0      # a new slot, not a's
+    assert salted(model, sched, a + ids("x more"), "")[-1].cached_tokens == 24   # a's turn finds its own
+    sched = scheduler(model, max_batch=1, chunk=4)          # no room for another slot: b takes the only one
+    salted(model, sched, a, "")
+    assert salted(model, sched, b, "")[-1].cached_tokens == 4

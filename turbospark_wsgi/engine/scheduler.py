@@ -140,10 +140,20 @@ class Scheduler:
         """A free slot: the one holding the longest prefix of `prompt` reusable under `salt`; without
         any, a new slot while fewer than max_batch exist, else the least recently used (so a warm
         prefix survives unrelated requests as long as it can); with none free, a new one up to
-        max_batch + max_paused (see `release`)."""
+        max_batch + max_paused (see `release`).
+
+        NOTE(related): a slot counts as related only when the prompt reuses at least as many of its
+        ids as it would throw away. Chats all start with the same few template tokens; without
+        this, a new conversation would take over the slot of another one (reusing those few
+        tokens, dropping the rest) and that conversation's next turn would find nothing."""
         free = [s for s in self.slots if not s.busy]
-        best = max(free, key=lambda s: (s.reusable(prompt, salt), -s.used), default=None)
-        if best is None or best.reusable(prompt, salt) == 0:
+
+        def related(slot):
+            n = slot.reusable(prompt, salt)
+            return n if n >= len(slot.ids) - n else 0
+
+        best = max(free, key=lambda s: (related(s), -s.used), default=None)
+        if best is None or related(best) == 0:
             if len(self.slots) < (self.max_batch if free else self.max_slots):
                 every_row = self.model.decode_exact
                 granule = 1 if every_row or (self.chunk > SMALL_WINDOW and self.model.rows_exact) else self.chunk
