@@ -129,6 +129,8 @@ class Config:
         if self.redis and self.limits_redis and self.redis != self.limits_redis:
             raise ConfigError("TURBOSPARK_LIMITS_REDIS is the older name of TURBOSPARK_REDIS; set one of them")
         self.redis = self.limits_redis = self.redis or self.limits_redis
+        if self.redis and not self.redis.startswith(("redis://", "rediss://", "unix://")):
+            raise ConfigError("TURBOSPARK_REDIS must be a redis://, rediss:// or unix:// URL")
         if not self.replica_id:
             self.replica_id = f"{socket.gethostname()}:{os.getpid()}"
 

@@ -105,6 +105,8 @@ def test_the_setting_and_its_older_name():
         Config.from_env({"TURBOSPARK_REDIS": "redis://a:1/0", "TURBOSPARK_LIMITS_REDIS": "redis://b:1/0"})
     with pytest.raises(ConfigError):
         Config.from_env({"TURBOSPARK_RESPONSES_STORE_ITEM_BYTES": "0"})
+    with pytest.raises(ConfigError, match="redis://"):
+        Config.from_env({"TURBOSPARK_REDIS": "localhost:6379"})
     assert isinstance(open_store(Config(load_default=False)), MemoryResponseStore)
     assert isinstance(open_store(Config(redis="redis://127.0.0.1:1/0", load_default=False)), RedisResponseStore)
 
