@@ -57,8 +57,8 @@ class RedisResponseStore:
     def __init__(self, url, size, item_bytes, ttl, prefix=PREFIX, client=None):
         # NOTE(retry): one immediate retry on a new connection, so the first call after a Redis
         # restart, which finds its pooled connection dead, succeeds; no backoff to wait out.
-        self._redis = client or redis.Redis.from_url(url, socket_timeout=TIMEOUT, socket_connect_timeout=CONNECT_TIMEOUT,
-                                                     retry=Retry(NoBackoff(), 1))
+        self._redis = client or redis.Redis.from_url(url, socket_timeout=TIMEOUT,
+                                                     socket_connect_timeout=CONNECT_TIMEOUT, retry=Retry(NoBackoff(), 1))
         self._size, self._item_bytes, self._ttl_ms = size, item_bytes, int(ttl * 1000)
         self._prefix = prefix
         self.name = f"response store (Redis at {where(url)})"

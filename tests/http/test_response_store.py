@@ -163,9 +163,9 @@ def test_replicas_share_responses_through_redis(make_harness, redis_url):
     ca, cb = a.client(), b.client()
     first = ca.post_json("/v1/responses", {"input": "Capital of France?"}, headers=auth("alice")).json
     assert cb.get(f"/v1/responses/{first['id']}", headers=auth("alice")).json == first
-    b.engine("fake").seen = seen = []
-    render = b.engine("fake").apply_chat_template
-    b.engine("fake").apply_chat_template = lambda messages, *args, **kw: seen.append(messages) or render(messages, *args, **kw)
+    engine, seen = b.engine("fake"), []
+    render = engine.apply_chat_template
+    engine.apply_chat_template = lambda messages, *args, **kw: seen.append(messages) or render(messages, *args, **kw)
     second = cb.post_json("/v1/responses", {"input": "And Spain?", "previous_response_id": first["id"]},
                           headers=auth("alice")).json
     assert [m["content"] for m in seen[-1]] == ["Capital of France?", "Paris.", "And Spain?"]

@@ -75,7 +75,8 @@ class Server:
         settings.setdefault("max_batch", 1)
         environ.update({f"TURBOSPARK_{k.upper()}": str(v) for k, v in settings.items()})
         environ.update(env or {})
-        cmd = argv or [sys.executable, "-m", "gunicorn", "-c", str(REPO / "gunicorn.conf.py"), "--no-control-socket", app]
+        cmd = argv or [sys.executable, "-m", "gunicorn", "-c", str(REPO / "gunicorn.conf.py"),
+                       "--no-control-socket", app]
         with self.log.open("wb") as log:
             self.proc = subprocess.Popen(cmd, cwd=REPO, env=environ, stdout=log, stderr=subprocess.STDOUT,
                                          start_new_session=True)

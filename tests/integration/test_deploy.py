@@ -99,7 +99,8 @@ def call(port, method, path, who, body=None, **headers):
 
 
 def test_the_systemd_unit_verifies(tmp_path):
-    analyze, turbospark = shutil.which("systemd-analyze"), shutil.which("turbospark", path=os.path.dirname(sys.executable))
+    analyze = shutil.which("systemd-analyze")
+    turbospark = shutil.which("turbospark", path=os.path.dirname(sys.executable))
     if analyze is None or turbospark is None:
         pytest.skip("systemd-analyze or the installed `turbospark` command absent")
     text = UNIT.read_text().replace(VENV_TURBOSPARK, turbospark).replace("/opt/turbospark", str(REPO))

@@ -131,7 +131,8 @@ class Scheduler:
         return self._start(Scoring, prompt, top, should_stop, client, salt)
 
     def _start(self, kind, prompt, options, should_stop, client, salt):
-        seq = kind(self.acquire(prompt, salt), self.tokenizer, prompt, options, should_stop, self.chunk, self.max_context)
+        slot = self.acquire(prompt, salt)
+        seq = kind(slot, self.tokenizer, prompt, options, should_stop, self.chunk, self.max_context)
         seq.client = client
         self.active.append(seq)
         return seq
