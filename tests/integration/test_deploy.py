@@ -205,3 +205,25 @@ def test_redis_stopped_mid_run_is_a_503_naming_the_store_and_it_recovers(deploym
     response, _ = turn(client, "Back again.", deployment.chain[-1])
     assert response.previous_response_id == deployment.chain[-1]
     assert call(port, "GET", f"/v1/responses/{deployment.chain[0]}", "alice")[0] == 200
+
+
+def test_gevent_replicas_share_the_store_and_say_when_it_is_gone(tmp_path, start_redis):
+    store = start_redis()
+    keys = tmp_path / "keys"
+    keys.write_text(KEYS["alice"] + "\n")
+    models = models_dir_with_stories(tmp_path / "models")
+    replicas = [Server(tmp_path, worker_class="gevent", models=models, model="stories", api_key_file=keys,
+                       redis=store.url) for _ in range(2)]
+    try:
+        for srv in replicas:
+            srv.wait_ready()
+        status, _, body = call(replicas[0].port, "POST", "/v1/responses", "alice",
+                               {"input": "hi", "max_output_tokens": 2})
+        assert status == 200
+        assert call(replicas[1].port, "GET", f"/v1/responses/{body['id']}", "alice")[2]["id"] == body["id"]
+        store.stop()
+        status, _, refused = call(replicas[1].port, "GET", f"/v1/responses/{body['id']}", "alice")
+        assert status == 503 and refused["error"]["code"] == "store_unavailable"
+    finally:
+        for srv in replicas:
+            srv.stop()
