@@ -108,7 +108,8 @@ class Cors:
     """
 
     METHODS = "GET, POST, DELETE, OPTIONS"     # DELETE: /v1/responses/{id}
-    HEADERS = "Authorization, x-api-key, anthropic-version, anthropic-beta, content-type, x-request-id"
+    HEADERS = ("Authorization, x-api-key, anthropic-version, anthropic-beta, content-type, x-request-id, "
+               "x-session-affinity")     # the last: conversation affinity behind nginx (deploy/)
     EXPOSE = "x-request-id, x-anyllm-degradation, x-turbospark-replica, Retry-After"
 
     def __init__(self, origins):
