@@ -8,6 +8,7 @@ import falcon.media
 
 from . import compute, metrics, refusal
 from .config import Config
+from .response_store import open_store
 from .errors import (ApiError, EngineError, InvalidRequest, MethodNotAllowed, NotFound, PayloadTooLarge,
                      Unauthorized, UnsupportedMediaType)
 from .middleware import ApiKeyAuth, BodyLimit, Cors, RequestContext, request_id
@@ -17,7 +18,7 @@ from .resources.embeddings import Embeddings
 from .resources.health import Health
 from .resources.metrics import Metrics
 from .resources.messages import CountTokens, Messages
-from .resources.responses import Responses, ResponseStore, StoredResponse
+from .resources.responses import Responses, StoredResponse
 from .resources.models import Model, Models
 from .resources.tokenize import Detokenize, Tokenize, TokenizerInfo
 from .resources.openapi import OpenApi
@@ -74,8 +75,9 @@ def add_routes(app, service, config):
     app.add_route("/v1/embeddings", Embeddings(service, config))
     app.add_route("/v1/messages", Messages(service, config.max_body))
     app.add_route("/v1/messages/count_tokens", CountTokens(service, config.max_body))
-    # NOTE(store): one store per app, so per worker process (the app is built after the fork).
-    store = ResponseStore(config.responses_store_size, config.responses_store_bytes, config.responses_store_ttl)
+    # NOTE(store): one store per app, so per worker process (the app is built after the fork), or
+    # one in Redis for every replica (TURBOSPARK_REDIS).
+    store = open_store(config)
     app.add_route("/v1/responses", Responses(service, store, config.max_body))
     app.add_route("/v1/responses/{response_id}", StoredResponse(store))
     app.add_route("/v1/models", Models(service))

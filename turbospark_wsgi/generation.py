@@ -373,7 +373,7 @@ class Generation:
         scored = []
         self._steps = yield from self._pace.result(compute.submit(
             self._engine.score, self._ids, self._params.logprobs, should_stop=self._cancel.is_set,
-            client=self._req.client))
+            client=self._req.client, cache_salt=self._req.cache_salt))
         while True:
             event = yield from self._pace.result(compute.submit(next, self._steps, None))
             if event is None or isinstance(event, Finish) and event.reason == FinishReason.CANCELLED:
@@ -406,7 +406,8 @@ class Generation:
             yield run.cut()
             return True
         self._steps = yield from self._pace.result(compute.submit(
-            self._engine.generate, self._ids, params, should_stop=self._cancel.is_set, client=self._req.client))
+            self._engine.generate, self._ids, params, should_stop=self._cancel.is_set, client=self._req.client,
+            cache_salt=self._req.cache_salt))
         while True:
             event = yield from self._pace.result(compute.submit(next, self._steps, None))
             if event is None:

@@ -16,7 +16,7 @@ request and needs at least one token left; its tokens are charged as they are pr
 generation can take the bucket below zero, and the client's next request waits until the refill
 has paid that back. The daily quota is a count per UTC day.
 
-Counters live in this process (limits per replica) or, with TURBOSPARK_LIMITS_REDIS, in Redis
+Counters live in this process (limits per replica) or, with TURBOSPARK_REDIS, in Redis
 (limits_redis.py), shared by every replica. `reload_all()` re-reads every file (SIGHUP).
 """
 import json
@@ -182,9 +182,9 @@ class Limits:
     @classmethod
     def from_config(cls, config):
         store = None
-        if config.limits_redis:
+        if config.redis:
             from .limits_redis import RedisStore
-            store = RedisStore(config.limits_redis)
+            store = RedisStore(config.redis)
         return cls(config.limits_file, config.auth_enabled, store)
 
     def reload(self):

@@ -1,4 +1,4 @@
-"""The limits' counters in Redis (TURBOSPARK_LIMITS_REDIS=redis://host:port/db), shared by every
+"""The limits' counters in Redis (TURBOSPARK_REDIS=redis://host:port/db), shared by every
 replica: the same buckets as limits.MemoryStore, kept by atomic Lua scripts on Redis's own clock.
 
 Per client (KEY = turbospark:limits:<bucket>):

@@ -108,7 +108,8 @@ class Cors:
     """
 
     METHODS = "GET, POST, DELETE, OPTIONS"     # DELETE: /v1/responses/{id}
-    HEADERS = "Authorization, x-api-key, anthropic-version, anthropic-beta, content-type, x-request-id"
+    HEADERS = ("Authorization, x-api-key, anthropic-version, anthropic-beta, content-type, x-request-id, "
+               "x-session-affinity")     # the last: conversation affinity behind nginx (deploy/)
     EXPOSE = "x-request-id, x-anyllm-degradation, x-turbospark-replica, Retry-After"
 
     def __init__(self, origins):
@@ -279,12 +280,18 @@ def _short(exc):
 
 @dataclass(frozen=True, slots=True)
 class Caller:
-    """Who sent a request, for auth, limits and fair queueing."""
+    """Who sent a request, for auth, limits, fair queueing, stored responses and cached prefixes."""
 
     digest: bytes | None    # sha256 of the API key it presents (None: none); never the key itself
     address: str            # its peer address (WSGI's REMOTE_ADDR)
     client: str             # its name for fair queueing: a digest of its key (any key, also on an
                             # open server), else its address
+
+    @property
+    def owner(self):
+        """Its key as stored responses and the prefix cache name it: the digest's first 128 bits
+        in hex, as the limits name a key ("" without a key)."""
+        return self.digest.hex()[:32] if self.digest is not None else ""
 
 
 def caller(req):

@@ -49,6 +49,8 @@ class GenerationRequest:
                                             # queue takes turns between clients
     prompt_param: str = "prompt"            # the request field blamed when the prompt is too long
     truncate_prompt_tokens: int | None = None   # vLLM's: keep the prompt's last N tokens (-1: the context)
+    cache_salt: str = ""                    # only runs with the same salt share cached prompt prefixes:
+                                            # the request's own (vLLM's), after its key's with isolation
 
 
 @dataclass(slots=True)

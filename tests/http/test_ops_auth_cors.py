@@ -120,7 +120,7 @@ def test_preflight_is_answered_before_auth(cors):
         "Access-Control-Request-Headers": "authorization, content-type"}, status=204)
     assert r.headers["Access-Control-Allow-Origin"] == ORIGIN
     allowed = r.headers["Access-Control-Allow-Headers"].lower()
-    for name in ("authorization", "x-api-key", "anthropic-version", "content-type"):
+    for name in ("authorization", "x-api-key", "anthropic-version", "content-type", "x-session-affinity"):
         assert name in allowed
     assert {"POST", "DELETE"} <= set(r.headers["Access-Control-Allow-Methods"].replace(" ", "").split(","))
 

@@ -26,6 +26,8 @@ def begin(service, req, gen):
     on the client socket."""
     who = caller(req)
     gen.request_id, gen.client = request_id(req), who.client
+    if service.config.cache_per_key:
+        gen.cache_salt = who.owner + gen.cache_salt     # NOTE(salt): 32 hex digits first, so never ambiguous
     permit = service.limits.admit(who.digest, who.address, anthropic=req.path.startswith("/v1/messages"))
     cancel = CancelToken()
     events = permit.call(service.run, gen, cancel)

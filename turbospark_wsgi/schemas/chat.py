@@ -25,7 +25,8 @@ def parse_chat(doc):
                     template_kwargs=_template_kwargs(doc), grammar=grammar)
     return GenerationRequest(model=model, chat=chat, max_tokens=max_tokens, params=params, stream=stream,
                              include_usage=common.include_usage(doc, stream), n=n, logprobs=logprobs,
-                             prompt_param="messages", truncate_prompt_tokens=common.truncate_prompt_tokens(doc))
+                             prompt_param="messages", truncate_prompt_tokens=common.truncate_prompt_tokens(doc),
+                             cache_salt=common.cache_salt(doc))
 
 
 def _max_tokens(doc):

@@ -15,6 +15,7 @@ MAX_TOKENS_LIMIT = 2 ** 31 - 1
 TOKEN_ID_LIMIT = 2 ** 31
 MAX_CHOICES = 20              # n
 MAX_TOP_LOGPROBS = 20         # logprobs (completions), top_logprobs (chat, responses)
+MAX_CACHE_SALT = 1024         # characters of a cache_salt
 
 
 def type_name(value):
@@ -79,6 +80,14 @@ def truncate_prompt_tokens(doc, name="truncate_prompt_tokens"):
     value = opt_int(doc, name, None, lo=-1)
     if value == 0:
         raise InvalidRequest(f"'{name}' must be -1 (the model's limit) or at least 1, got 0", param=name)
+    return value
+
+
+def cache_salt(doc, name="cache_salt"):
+    """vLLM's `cache_salt`: only requests with the same salt share cached prompt prefixes ("": none given)."""
+    value = opt_str(doc, name, "", max_len=MAX_CACHE_SALT)
+    if doc.get(name) is not None and not value:
+        raise InvalidRequest(f"'{name}' must be a non-empty string if given", param=name)
     return value
 
 

@@ -9,9 +9,9 @@ from .. import sse
 from ..errors import InvalidRequest
 from ..generation import ChoiceResult, Finished, KeepAlive, TextDelta
 from ..service import GenerationRequest
-from .common import (MAX_TOP_LOGPROBS, TOKEN_ID_LIMIT, choice_count, expect_object, include_usage, is_int,
-                     max_tokens as token_budget, model_name, opt_bool, opt_int, sampling_params, truncate_prompt_tokens,
-                     type_name)
+from .common import (MAX_TOP_LOGPROBS, TOKEN_ID_LIMIT, cache_salt, choice_count, expect_object, include_usage,
+                     is_int, max_tokens as token_budget, model_name, opt_bool, opt_int, sampling_params,
+                     truncate_prompt_tokens, type_name)
 
 DEGRADATION_HEADER = "x-anyllm-degradation"
 MAX_BEST_OF = 20
@@ -62,7 +62,7 @@ def parse_completion(doc, max_prompts=MAX_PROMPTS):
                             add_special=add_special(doc), max_tokens=max_tokens, params=params,
                             stream=stream, include_usage=include_usage(doc, stream),
                             echo=echo, logprobs=logprobs, n=n, best_of=best_of,
-                            truncate_prompt_tokens=truncate_prompt_tokens(doc))
+                            truncate_prompt_tokens=truncate_prompt_tokens(doc), cache_salt=cache_salt(doc))
     return req, completion_degradations(doc)
 
 

@@ -28,7 +28,11 @@ _SAMPLING = {
     "stop": {"oneOf": [_STR, {"type": "array", "items": _STR}, {"type": "null"}]},
     "logit_bias": {"type": "object", "additionalProperties": _NUM},
     "stream_options": {"type": "object", "properties": {"include_usage": _BOOL}},
+    "cache_salt": _ref("CacheSalt"),
 }
+_CACHE_SALT = {"type": "string", "minLength": 1, "maxLength": 1024,
+               "description": "only requests with the same salt share cached prompt prefixes (vLLM's); "
+                              "with TURBOSPARK_CACHE_ISOLATION it comes after the key's own"}
 
 _USAGE = {"type": "object", "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
           "properties": {"prompt_tokens": _INT, "completion_tokens": _INT, "total_tokens": _INT}}
@@ -36,6 +40,7 @@ _TRUNCATE = {"type": "integer", "minimum": -1, "not": {"const": 0},
              "description": "keep the last N tokens of each prompt or input (-1: the model's limit; vLLM's)"}
 
 _SCHEMAS = {
+    "CacheSalt": _CACHE_SALT,
     "OpenAIError": {"type": "object", "required": ["error"], "properties": {"error": {
         "type": "object", "required": ["message", "type", "param", "code"],
         "properties": {"message": _STR, "type": _STR, "param": _NULL_STR, "code": _NULL_STR}}}},
@@ -127,7 +132,7 @@ _SCHEMAS = {
             "strict": _BOOL}}}},
         "reasoning": {"type": "object", "properties": {
             "effort": {"enum": ["none", "minimal", "low", "medium", "high", "xhigh"]}}},
-        "metadata": {"type": "object", "additionalProperties": _STR}}},
+        "metadata": {"type": "object", "additionalProperties": _STR}, "cache_salt": _ref("CacheSalt")}},
     "Response": {"type": "object", "required": ["id", "object", "created_at", "status", "model", "output"],
                  "properties": {"id": _STR, "object": {"const": "response"}, "created_at": _INT,
                                 "status": {"enum": ["completed", "incomplete", "failed", "in_progress"]},

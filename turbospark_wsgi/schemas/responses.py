@@ -44,6 +44,7 @@ class ResponsesRequest:
     reasoning: bool = True                # split <think> out as reasoning items
     template_kwargs: dict = field(default_factory=dict)
     grammar: dict | None = None           # text.format as a grammar spec
+    cache_salt: str = ""                  # vLLM's: only the same salt shares cached prompt prefixes
 
 
     def generation(self, history):
@@ -52,7 +53,7 @@ class ResponsesRequest:
                         parallel_tool_calls=self.parallel_tool_calls, reasoning=self.reasoning,
                         template_kwargs=self.template_kwargs, grammar=self.grammar, grammar_param="text.format")
         return GenerationRequest(model=self.model, chat=chat, max_tokens=self.max_tokens, params=self.params,
-                                 stream=self.stream, prompt_param="input")
+                                 stream=self.stream, prompt_param="input", cache_salt=self.cache_salt)
 
 
 def parse_responses(doc):
@@ -85,7 +86,7 @@ def parse_responses(doc):
         model=common.model_name(doc), max_tokens=max_tokens, tools=tools if choice != "none" else None,
         tool_choice=choice, parallel_tool_calls=parallel, stream=_stream(doc), store=store,
         previous_response_id=echo["previous_response_id"], grammar=grammar,
-        template_kwargs=_effort_kwargs(effort))
+        template_kwargs=_effort_kwargs(effort), cache_salt=common.cache_salt(doc))
 
 
 def conversation(request, history):
