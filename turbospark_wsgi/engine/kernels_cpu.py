@@ -382,9 +382,14 @@ def _use_threads(n):
         _local.threads = n
 
 
-def warmup(isa=None):
-    """Compiles (or loads from numba's on-disk cache) every kernel on tiny inputs, the int8 ones on
-    instruction path `isa` (default kernels_q8.DEFAULT's); returns seconds."""
+WARM_GROUPS = ("int8", "float")
+
+
+def warmup(isa=None, groups=WARM_GROUPS):
+    """Compiles (or loads from numba's on-disk cache) the kernels of `groups` on tiny inputs: "int8"
+    the integer products on instruction path `isa` (default kernels_q8.DEFAULT's), "float" the float
+    kernels, the BLAS path's dequantizers and attention; returns seconds. The groups compile apart
+    (engine/warm.py runs "float" in a second process while this one compiles the rest)."""
     import time
     t0 = time.perf_counter()
     rng = np.random.default_rng(0)
@@ -393,12 +398,15 @@ def warmup(isa=None):
     raw8 = rng.integers(0, 256, (16, 34), dtype=np.uint8)
     raw8[:, 0:2] = np.frombuffer(np.float16([0.01]).tobytes(), np.uint8)
     x = rng.standard_normal((3, 32)).astype(np.float32)
+    kinds = [a for a, g in (("int8", "int8"), ("float32", "float")) if g in groups]
     for raw, gtype in ((raw4, 3), (raw8, 8)):
         w = quant.pack(quant.decode(raw, gtype, (16, 32)), tile=16)
         for rows in (x[:1], x):
-            for activations in ("int8", "float32"):
+            for activations in kinds:
                 qmatmul(rows, w, path="gemv", activations=activations, isa=isa)
-        qmatmul(x, w, path="blas")
-    kv = rng.standard_normal((4, 1, 8)).astype(np.float32)
-    attend(rng.standard_normal((2, 2, 8)).astype(np.float32), kv, kv, 1, window=2)
+        if "float" in groups:
+            qmatmul(x, w, path="blas")
+    if "float" in groups:
+        kv = rng.standard_normal((4, 1, 8)).astype(np.float32)
+        attend(rng.standard_normal((2, 2, 8)).astype(np.float32), kv, kv, 1, window=2)
     return time.perf_counter() - t0

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 from .backend import select_backend
 from .config import ModelConfig
-from . import kernels_cpu
+from . import kernels_cpu, warm
 from .gguf import GGUFFile, ggml_type_name, model_config_from_gguf
 from .model import Transformer
 from .options import apply, kernel_plan, resolve
@@ -66,10 +66,13 @@ def _load(path, options):
     model = Transformer(cfg, tensors, backend.xp, plan)
     if model.fused_attention:
         # NOTE(cold-start): the kernels compile (or load from numba's cache) here, so a server says
-        # it is ready only once its first request runs at full speed
-        kernels_cpu.warmup(plan.isa)
-        if model.fused:
-            model.warm_layers()
+        # it is ready only once its first request runs at full speed; once per machine, the float
+        # kernels in a second process (engine/warm.py)
+        with warm.compiling(plan.isa):
+            kernels_cpu.warmup(plan.isa, groups=("int8",))
+            if model.fused:
+                model.warm_layers()
+        kernels_cpu.warmup(plan.isa, groups=("float",))
     return LoadedModel(cfg, model, metadata, kind, path, backend.name, backend.reason,
                        plan.describe() if backend.name == "numpy" else "")
 
