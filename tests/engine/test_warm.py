@@ -7,14 +7,15 @@ import sys
 
 import pytest
 
-from turbospark_wsgi.engine import kernels_cpu
+from turbospark_wsgi.engine.kernels import cpu as kernels_cpu
 
 pytestmark = pytest.mark.skipif(not kernels_cpu.AVAILABLE, reason="numba is not installed")
 
 _LOAD = """
 import json, sys, time
 t = time.perf_counter()
-from turbospark_wsgi.engine import kernels_cpu, kernels_layer, kernels_q8, warm
+from turbospark_wsgi.engine import warm
+from turbospark_wsgi.engine.kernels import cpu as kernels_cpu, layer as kernels_layer, int8 as kernels_q8
 from turbospark_wsgi.engine.loader import load_model
 m = load_model(sys.argv[1], device="cpu").model
 ds = [kernels_layer.LAYER[m.plan.isa], kernels_q8.PRODUCT[m.plan.isa], kernels_cpu._q4_batch, kernels_cpu._attend]

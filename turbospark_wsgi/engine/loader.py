@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 from .backend import select_backend
 from .config import ModelConfig
-from . import kernels_cpu, warm
+from .kernels import cpu as kernels_cpu, warm
 from .gguf import GGUFFile, ggml_type_name, model_config_from_gguf
 from .model import Transformer
 from .options import apply, kernel_plan, resolve
@@ -112,7 +112,7 @@ def _without_path(e):
 def _quantized(choice, kind, backend):
     if choice == "fp32" or kind != "gguf" or backend != "numpy":
         return False
-    from . import kernels_cpu
+    from .kernels import cpu as kernels_cpu
     if choice == "quant" and not kernels_cpu.AVAILABLE:
         raise ValueError("quantized weights need numba (pip install numba)")
     return kernels_cpu.AVAILABLE

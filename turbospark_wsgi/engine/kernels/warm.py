@@ -8,7 +8,7 @@ wraps a model load's compile step:
 - with a cold cache (no marker of an earlier complete warm-up for this CPU, path and kernel source),
   the float kernels compile in a child process on the other core while this one compiles the int8
   products and the layer kernel, the larger half.
-`python -m turbospark_wsgi.engine.warm [GROUP] [ISA]` is that child's entry, and compiles every
+`python -m turbospark_wsgi.engine.kernels.warm [GROUP] [ISA]` is that child's entry, and compiles every
 group when run by hand (a container image can run it at build time: `turbospark warm`).
 
 PERF(cold-start): see the README's cold-start figures (launch to /health 200 with an empty cache,
@@ -21,7 +21,7 @@ import subprocess
 import sys
 import tempfile
 
-_KERNELS = ("kernels_cpu.py", "kernels_q8.py", "kernels_layer.py", "isa.py", "quant.py")
+_KERNELS = ("cpu.py", "int8.py", "int8_dot.py", "layer.py", "isa.py", "../quant.py")
 
 
 def cache_dir():
@@ -77,7 +77,7 @@ def compiling(path):
 def _start(group, path):
     """The child process compiling `group` into the cache, or None where it cannot start."""
     try:
-        return subprocess.Popen([sys.executable, "-m", "turbospark_wsgi.engine.warm", group, path],
+        return subprocess.Popen([sys.executable, "-m", "turbospark_wsgi.engine.kernels.warm", group, path],
                                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
     except OSError:
         return None
@@ -94,12 +94,12 @@ def _mark(path):
 def main(argv=None):
     """`warm [GROUP] [ISA]`: compiles GROUP (int8, float, or all) on instruction path ISA (default: the
     CPU's best)."""
-    from . import kernels_cpu, kernels_q8
+    from . import cpu, int8
     argv = sys.argv[1:] if argv is None else argv
     group = argv[0] if argv else "all"
-    path = argv[1] if len(argv) > 1 else kernels_q8.DEFAULT.path
-    groups = kernels_cpu.WARM_GROUPS if group == "all" else (group,)
-    seconds = kernels_cpu.warmup(path, groups)
+    path = argv[1] if len(argv) > 1 else int8.DEFAULT.path
+    groups = cpu.WARM_GROUPS if group == "all" else (group,)
+    seconds = cpu.warmup(path, groups)
     print(f"compiled {', '.join(groups)} kernels for {path} in {seconds:.1f} s", file=sys.stderr)
 
 
