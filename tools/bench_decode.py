@@ -1,4 +1,4 @@
-"""In-process decode step time: each layer as one kernel (kernels_layer) against the step-by-step path.
+"""In-process decode step time: each layer as one kernel (kernels/layer.py) against the step-by-step path.
 
     python tools/bench_decode.py [--model GGUF] [--batches 1,8,16] [--steps 20] [--rounds 5] [--depth 32]
 
@@ -6,7 +6,7 @@ B caches are filled with a `--depth`-token prompt each, then `Transformer.decode
 `--steps` steps; a round does this for every B on both paths in turn (the order alternating from
 round to round, so load drift hits both alike). Printed per B: median step time and tok/s of each
 path over the rounds' medians, and their ratio, with the load average. The two paths round
-differently (see kernels_layer), so each fills its own caches.
+differently (see kernels/layer.py), so each fills its own caches.
 """
 import argparse
 import dataclasses

@@ -71,6 +71,10 @@ def parse_args(argv=None):
     p.add_argument("--temperature", type=float, default=0.0,
                    help="of every request (0: greedy); llama.cpp's servers add their top_k 40, top_p 0.95 "
                         "and min_p 0.05 to it, this server nothing")
+    p.add_argument("--deep-context", type=int, default=0,
+                   help="also decode 64 tokens after a prompt of about this many tokens (0: not)")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="every request decodes its max_tokens (random-weight models; both servers take it)")
     p.add_argument("--servers", default=",".join(SERVER_NAMES), help="which to measure, comma-separated")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     args = p.parse_args(argv)
@@ -136,6 +140,7 @@ class Plan:
     """Every prompt of the run, per round, so all servers get the same ones."""
     prefill: list      # [round] -> ~512-token prompt
     decode: list       # [round] -> prompt
+    deep: list         # [round] -> ~--deep-context-token prompt ending in a count (empty when off)
     chats: list        # [round] -> (system, first user message, follow-up)
     short: list        # [round] -> ~12-token prompts
     clients: dict      # level -> [round] -> [client] -> prompts
@@ -191,7 +196,15 @@ def make_plan(server, args):
         return [count(args.requests_per_client) for _ in range(n)]
 
     rounds = range(args.repeats)
+    deep_words = fit_words(server.count_tokens, lambda n: f"{100000}. {filler(n)} " + counting_prompt(100000),
+                           args.deep_context) if args.deep_context else 0
+
+    def deep():
+        n = next(numbers)
+        return f"{n}. {filler(deep_words)} " + counting_prompt(n)
+
     return Plan(prefill=[long() for _ in rounds], decode=[count(1)[0] for _ in rounds],
+                deep=[deep() for _ in rounds] if args.deep_context else [],
                 chats=[chat() for _ in rounds],
                 short=[[short_prompt(next(numbers)) for _ in range(SHORT_REQUESTS)] for _ in rounds],
                 clients={c: [streams(c) for _ in rounds] for c in args.clients},
@@ -201,7 +214,7 @@ def make_plan(server, args):
 
 
 def sampling_of(args):
-    return {"temperature": args.temperature}
+    return {"temperature": args.temperature, **({"ignore_eos": True} if args.ignore_eos else {})}
 
 
 def rotation(items, r):
@@ -274,8 +287,14 @@ def clients(level):
     return workload
 
 
+def deep_decode(server, plan, r, metrics):
+    tok_s, n = load.decode(server, plan.deep[r], DEEP_TOKENS, plan.sampling)
+    metrics["deep_decode_tok_s"].append(tok_s)
+
+
 def workloads(args):
-    return [prefill, decode, chat, short, *(clients(level) for level in args.clients)]
+    return [prefill, decode, *([deep_decode] if args.deep_context else []), chat, short,
+            *(clients(level) for level in args.clients)]
 
 
 def engine_only(worker, plan, r, metrics, level):
@@ -287,7 +306,8 @@ def engine_only(worker, plan, r, metrics, level):
         metrics[f"c{level}_http_over_engine"].append(http[r] / result["aggregate_tok_s"])
 
 
-METRICS = ("prefill_tok_s", "decode_tok_s", "chat_ttft1_s", "chat_ttft2_s", "chat_ttft2_over_1",
+DEEP_TOKENS = 64
+METRICS = ("prefill_tok_s", "decode_tok_s", "deep_decode_tok_s", "chat_ttft1_s", "chat_ttft2_s", "chat_ttft2_over_1",
            "short_ttft_s", "short_latency_s")
 COLD_METRICS = ("ready_s", "first_request_s", "first_answer_s", "first_over_warm", "first_burst_tok_s")
 COUNT_METRICS = ("prefill_prompt_tokens", "decode_completion_tokens")
@@ -297,7 +317,7 @@ HARD_LIMIT = 1.5
 
 def new_metrics(args, ours):
     """Empty per-round lists in the order the table shows them."""
-    names = list(METRICS)
+    names = [m for m in METRICS if args.deep_context or m != "deep_decode_tok_s"]
     for level in args.clients:
         names += [f"c{level}_{k}" for k in CONCURRENT_METRICS]
         if ours and level == args.engine_clients:

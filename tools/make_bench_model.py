@@ -74,7 +74,7 @@ def main(argv=None):
 
     def matrix(name, rows, cols, kind=qtype):
         x = (rng.standard_normal((rows, cols), dtype=np.float32) * np.float32(0.02))
-        w.add_tensor(name, gguf.quants.quantize(x, kind), raw_shape=(rows, cols), raw_dtype=kind)
+        w.add_tensor(name, gguf.quants.quantize(x, kind), raw_dtype=kind)      # bytes [rows, row bytes]
 
     matrix("token_embd.weight", vocab, args.dim, GT.Q8_0)
     w.add_tensor("output_norm.weight", np.ones(args.dim, np.float32))

@@ -29,6 +29,10 @@ def build_parser():
     p.add_argument("--quiet", action="store_true", help="no progress output")
     _models_dir_arg(sub.add_parser("models", help="list installed models (id, size, path)"))
     _check_parser(sub.add_parser("check", help="run one prompt through the engine, no HTTP"))
+    p = sub.add_parser("warm", help="compile the CPU kernels a model needs into numba's cache "
+                                    "(e.g. at a container image's build), then exit")
+    p.add_argument("--model", default=DEFAULT_MODEL, help="model name, id or path (pulled first when missing)")
+    _models_dir_arg(p)
     return parser
 
 
@@ -68,7 +72,7 @@ def _check_parser(p):
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
-    handler = {"serve": cmd_serve, "pull": cmd_pull, "models": cmd_models, "check": cmd_check}
+    handler = {"serve": cmd_serve, "pull": cmd_pull, "models": cmd_models, "check": cmd_check, "warm": cmd_warm}
     try:
         return handler[args.command](args) or 0
     except (pulling.PullError, ConfigError) as exc:
@@ -186,6 +190,16 @@ def cmd_check(args):
         t = result["timings"]
         print(f"[{result['finish_reason']}; prefill {t['prefill_tokens_per_s']:.1f} tok/s, "
               f"decode {t['decode_tokens_per_s']:.1f} tok/s]", file=sys.stderr)
+
+
+def cmd_warm(args):
+    """Loads the model as the server would (TURBOSPARK_* settings), which compiles every kernel it
+    runs into numba's cache (engine/warm.py); a server started later on this machine loads them."""
+    from .engine.loader import load_model
+
+    start = time.perf_counter()
+    loaded = load_model(resolve_model(args.model, models_dir(args)), Config.from_env().engine_options())
+    print(f"kernels ready in {time.perf_counter() - start:.1f} s: {loaded.kernels or loaded.backend}")
 
 
 def run_check(engine, prompt_ids, params):

@@ -2,7 +2,7 @@
 keeping its own kernel settings."""
 import pytest
 
-from turbospark_wsgi.engine import isa
+from turbospark_wsgi.engine.kernels import isa
 from turbospark_wsgi.engine.options import EngineOptions, kernel_plan
 
 ZEN4 = {"avx2", "avx512f", "avx512bw", "avx512vl", "avx512vnni"}
@@ -55,7 +55,7 @@ def test_unknown_paths_are_refused():
 
 
 def test_auto_activations_take_the_float_kernels_without_integer_dots(monkeypatch):
-    from turbospark_wsgi.engine import kernels_q8
+    from turbospark_wsgi.engine.kernels import int8 as kernels_q8
     if not kernels_q8.AVAILABLE:
         pytest.skip("numba is not installed")
     monkeypatch.setattr(kernels_q8, "choose", lambda want="auto", allow_vnni=True: isa.Choice("generic", "test"))
@@ -69,7 +69,7 @@ def test_auto_activations_take_the_float_kernels_without_integer_dots(monkeypatc
 
 
 def test_two_models_in_one_process_keep_their_own_kernel_settings(tiny_gguf):
-    from turbospark_wsgi.engine import kernels_cpu
+    from turbospark_wsgi.engine.kernels import cpu as kernels_cpu
     from turbospark_wsgi.engine.loader import load_model
     if not kernels_cpu.AVAILABLE:
         pytest.skip("numba is not installed")
@@ -84,9 +84,9 @@ def test_two_models_in_one_process_keep_their_own_kernel_settings(tiny_gguf):
 
 
 def _lowered(path, triple, cpu, features, signed):
-    """The assembly of one unit's dots on `path` (kernels_q8._unit_dots), compiled for `triple`."""
+    """The assembly of one unit's dots on `path` (int8_dot._unit_dots), compiled for `triple`."""
     from llvmlite import binding, ir
-    from turbospark_wsgi.engine import kernels_q8
+    from turbospark_wsgi.engine.kernels import int8_dot
     i32x16 = ir.VectorType(ir.IntType(32), 16)
     mod = ir.Module(name="unit")
     mod.triple = triple
@@ -94,7 +94,7 @@ def _lowered(path, triple, cpu, features, signed):
                                                           ir.IntType(32).as_pointer()]), "unit")
     b = ir.IRBuilder(fn.append_basic_block())
     acc, w, a = fn.args
-    total = kernels_q8._unit_dots(b, isa.IDS[path], b.load(acc), [(b.load(w), b.load(a))], signed)
+    total = int8_dot._unit_dots(b, isa.IDS[path], b.load(acc), [(b.load(w), b.load(a))], signed)
     b.store(total, acc)
     b.ret_void()
     binding.initialize_all_targets()
@@ -106,7 +106,7 @@ def _lowered(path, triple, cpu, features, signed):
 @pytest.mark.parametrize("signed", [False, True])
 def test_the_neon_path_compiles_to_sdot_for_aarch64(signed):
     """The aarch64 path cannot run on an x86 build machine: this checks it lowers to `sdot`."""
-    from turbospark_wsgi.engine import kernels_q8
+    from turbospark_wsgi.engine.kernels import int8 as kernels_q8
     if not kernels_q8.AVAILABLE:
         pytest.skip("numba is not installed")
     asm = _lowered("neon", "aarch64-unknown-linux-gnu", "neoverse-n1", "+neon,+dotprod", signed)
@@ -116,7 +116,7 @@ def test_the_neon_path_compiles_to_sdot_for_aarch64(signed):
 @pytest.mark.parametrize("path, instruction", [("avx2", "vpmaddubsw"), ("avxvnni", "vpdpbusd"),
                                                ("vnni512", "vpdpbusd")])
 def test_the_x86_paths_compile_to_their_instructions(path, instruction):
-    from turbospark_wsgi.engine import kernels_q8
+    from turbospark_wsgi.engine.kernels import int8 as kernels_q8
     if not kernels_q8.AVAILABLE:
         pytest.skip("numba is not installed")
     cpu, feats = {"avx2": ("znver3", ""), "avxvnni": ("alderlake", ""), "vnni512": ("znver4", "")}[path]

@@ -5,7 +5,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from turbospark_wsgi.engine import kernels_cpu, kernels_layer
+from turbospark_wsgi.engine.kernels import cpu as kernels_cpu, layer as kernels_layer
 from turbospark_wsgi.engine.kv_cache import KVCache
 from turbospark_wsgi.engine.loader import load_model
 from turbospark_wsgi.engine.model import gelu_tanh_gate, rms_norm, swiglu

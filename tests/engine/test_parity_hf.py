@@ -7,7 +7,8 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from turbospark_wsgi.engine import kernels_cpu, load_engine  # noqa: E402
+from turbospark_wsgi.engine import load_engine  # noqa: E402
+from turbospark_wsgi.engine.kernels import cpu as kernels_cpu  # noqa: E402
 from turbospark_wsgi.engine.loader import load_model  # noqa: E402
 
 PROMPT = [1, 40, 72, 101, 108, 108, 111, 260, 263, 32, 119, 111, 114, 108, 100, 33, 7, 200, 3, 50]

@@ -11,7 +11,8 @@ import pytest
 gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as GT, quants  # noqa: E402
 
-from turbospark_wsgi.engine import isa, kernels_cpu, kernels_q8, quant  # noqa: E402
+from turbospark_wsgi.engine import quant  # noqa: E402
+from turbospark_wsgi.engine.kernels import isa, cpu as kernels_cpu, int8 as kernels_q8  # noqa: E402
 
 TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q6_K"]
 needs_numba = pytest.mark.skipif(not kernels_cpu.AVAILABLE, reason="numba is not installed")

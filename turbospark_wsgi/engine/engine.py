@@ -103,7 +103,7 @@ class Engine:
         NOTE(precision): with the float32 kernels, whatever TURBOSPARK_ACTIVATIONS says for generation.
         int8 activations moved SmolLM2-135M's vectors to cosine 0.9967 of the float32 ones (median
         0.9992) and changed a nearest-neighbour ranking; float32 equals transformers' (cosine 1.0)."""
-        from . import kernels_cpu
+        from .kernels import cpu as kernels_cpu
         out = np.empty((len(sequences), self.dim), dtype=np.float32)
         with kernels_cpu.activations_as("float32"):
             for row, ids in enumerate(sequences):

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 from .backend import select_backend
 from .config import ModelConfig
-from . import kernels_cpu
+from .kernels import cpu as kernels_cpu, warm
 from .gguf import GGUFFile, ggml_type_name, model_config_from_gguf
 from .model import Transformer
 from .options import apply, kernel_plan, resolve
@@ -68,10 +68,13 @@ def _load(path, options):
         model = Transformer(cfg, load_weights(cfg, source, kind, backend.xp), backend.xp, plan)
     if model.fused_attention:
         # NOTE(cold-start): the kernels compile (or load from numba's cache) here, so a server says
-        # it is ready only once its first request runs at full speed
-        kernels_cpu.warmup(plan.isa)
-        if model.fused:
-            model.warm_layers()
+        # it is ready only once its first request runs at full speed; once per machine, the float
+        # kernels in a second process (engine/warm.py)
+        with warm.compiling(plan.isa):
+            kernels_cpu.warmup(plan.isa, groups=("int8",))
+            if model.fused:
+                model.warm_layers()
+        kernels_cpu.warmup(plan.isa, groups=("float",))
     return LoadedModel(cfg, model, metadata, kind, path, backend.name, backend.reason,
                        plan.describe() if backend.name == "numpy" else "")
 
@@ -111,7 +114,7 @@ def _without_path(e):
 def _quantized(choice, kind, backend):
     if choice == "fp32" or kind != "gguf" or backend != "numpy":
         return False
-    from . import kernels_cpu
+    from .kernels import cpu as kernels_cpu
     if choice == "quant" and not kernels_cpu.AVAILABLE:
         raise ValueError("quantized weights need numba (pip install numba)")
     return kernels_cpu.AVAILABLE

@@ -1,7 +1,8 @@
 """The transformer forward pass (llama family), written against an array module `xp`."""
 import numpy as np
 
-from . import kernels_cpu, kernels_layer, yielding
+from . import yielding
+from .kernels import cpu as kernels_cpu, layer as kernels_layer
 from .backend import to_host
 from .kv_cache import KVCache
 from .options import EngineOptions, kernel_plan
@@ -37,7 +38,7 @@ class Transformer:
 
     @property
     def fused(self):
-        """Whether this call runs each layer as one kernel (kernels_layer): numpy backend, int8
+        """Whether this call runs each layer as one kernel (kernels/layer.py): numpy backend, int8
         activations, every product one part on the int8 kernels, and the plan's switch on. Prompts
         and decode steps alike, so positions keep the same bits either way they were computed."""
         if not (self.plan.fused and (kernels_cpu.ACTIVATIONS or self.plan.activations) == "int8" and self.xp is np):

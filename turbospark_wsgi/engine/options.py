@@ -20,7 +20,7 @@ class EngineOptions:
     prefill_chunk: int = 128        # prompt tokens per prefill step
     max_batch: int = 8              # sequences decoded together (and KV slots kept)
     max_paused: int = 0             # KV slots beyond the batch for sequences waiting paused
-    # PERF(prefill): the measurements behind these two are in kernels_cpu (GEMV_MAX_B, SINGLE_ROW_THREADS)
+    # PERF(prefill): the measurements behind these two are in kernels/cpu.py (GEMV_MAX_B, SINGLE_ROW_THREADS)
     gemv_max_b: int = 256           # rows up to which quantized products run the fused kernels, not BLAS
     single_row_threads: int = 0     # cap on the numba threads of a one-row product; 0 = none
     # int8: activations quantized per block of 32, integer dot products; float32: the float kernels;
@@ -29,7 +29,7 @@ class EngineOptions:
     encoder_threads: int = 1        # BLAS threads of an embedding encoder's products (encoder.py)
     int8_vnni: bool = True          # VNNI integer dots where the CPU has them (off: auto skips them)
     int8_isa: str = "auto"          # the int8 dots' instructions: auto (best the CPU has) or an isa.PATHS name
-    fused_layers: bool = True       # int8 on the CPU: each layer one kernel call (kernels_layer); off: step by step
+    fused_layers: bool = True       # int8 on the CPU: each layer one kernel call (kernels/layer.py); off: step by step
 
     def __post_init__(self):       # the device is checked where it is chosen (backend.select_backend)
         if self.weights not in WEIGHTS:
@@ -71,7 +71,7 @@ def kernel_plan(options):
     plain vector code (the generic path) the int8 kernels lost to the float ones: SmolLM2-135M on a
     Zen 3 (AVX2 dots not yet used) prefilled 53 tok/s and decoded 34 with int8, 152 and 39 with
     float32; with vpmaddubsw (the avx2 path) int8 wins (README, tools/bench.py)."""
-    from . import kernels_q8
+    from .kernels import int8 as kernels_q8
     choice = kernels_q8.choose(options.int8_isa, options.int8_vnni)
     act = options.activations or "auto"
     if act == "auto":
@@ -89,5 +89,5 @@ def kernel_plan(options):
 def apply(options):
     """Puts the options' process-wide settings in force: the CPU kernels' thresholds. Called by
     load_model before any kernel runs."""
-    from . import kernels_cpu
+    from .kernels import cpu as kernels_cpu
     kernels_cpu.configure(gemv_max_b=options.gemv_max_b, single_row_threads=options.single_row_threads)

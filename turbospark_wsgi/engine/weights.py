@@ -230,7 +230,8 @@ def load_quantized_weights(cfg, source, plan=None):
     """GGUF weights with every supported matrix kept in its quantized block form (numpy backend):
     `x @ QLinear` reads the blocks directly, with the kernels of KernelPlan `plan`. A fused matrix with any unsupported part, and every
     vector, is float32 as in `load_weights`."""
-    from . import kernels_cpu, quant
+    from . import quant
+    from .kernels import cpu as kernels_cpu
 
     def kept(names, layer=None):
         """Whether every tensor in `names` can stay in block form (looked up, not read)."""

@@ -159,7 +159,7 @@ class SamplingBounds:
     temperature_max: float = 2.0
     top_p_min: float = 0.0
     stop: str = "stop"                    # the field holding the stop strings
-    extensions: bool = True               # min_p, penalties, logit_bias and seed (local-server extensions)
+    extensions: bool = True               # min_p, penalties, logit_bias, seed, ignore_eos (local-server extensions)
 
 
 OPENAI = SamplingBounds()
@@ -182,7 +182,8 @@ def sampling_params(doc, bounds=OPENAI, max_tokens=0):
         min_p=opt_number(doc, "min_p", 0.0, 0, 1), repetition_penalty=repetition_penalty(doc),
         presence_penalty=opt_number(doc, "presence_penalty", 0.0, -2, 2),
         frequency_penalty=opt_number(doc, "frequency_penalty", 0.0, -2, 2),
-        logit_bias=logit_bias(doc), seed=seed_value(doc), stop=stop)
+        logit_bias=logit_bias(doc), seed=seed_value(doc), stop=stop,
+        ignore_eos=opt_bool(doc, "ignore_eos", False))
 
 
 def repetition_penalty(doc, name="repetition_penalty"):

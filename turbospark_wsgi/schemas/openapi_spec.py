@@ -24,7 +24,7 @@ _SAMPLING = {
     "min_p": {"type": "number", "minimum": 0, "maximum": 1},
     "presence_penalty": {"type": "number", "minimum": -2, "maximum": 2},
     "frequency_penalty": {"type": "number", "minimum": -2, "maximum": 2},
-    "repetition_penalty": _NUM, "seed": _INT, "stream": _BOOL,
+    "repetition_penalty": _NUM, "seed": _INT, "stream": _BOOL, "ignore_eos": _BOOL,
     "stop": {"oneOf": [_STR, {"type": "array", "items": _STR}, {"type": "null"}]},
     "logit_bias": {"type": "object", "additionalProperties": _NUM},
     "stream_options": {"type": "object", "properties": {"include_usage": _BOOL}},

@@ -11,7 +11,7 @@ medians of 7 interleaved rounds: B = 1 23.6 -> 15.8 ms a step (1.49x), B = 8 53.
 (1.13x), B = 16 105.7 -> 104.8 ms (1.01x). A fresh numba cache compiles these kernels in ~3-4 s more.
 
 NOTE(exact-batching): every step is computed row by row by the same code whatever R is and whatever
-rows stand beside it (the products are kernels_q8's, attention kernels_cpu's head loop), so a
+rows stand beside it (the products are int8.py's, attention cpu.py's head loop), so a
 position's numbers never depend on its neighbours or on how a prompt was cut. The float steps
 (norms, rope, gates) round differently from the numpy ones of the unfused path, so a model runs
 every call, prompt and decode alike, on this path or every call on the other (`Transformer.fused`).
@@ -22,7 +22,7 @@ sequence's K buffer address, V buffer address and capacity (buffers float32 C-co
 """
 import numpy as np
 
-from . import isa, kernels_cpu, kernels_q8
+from . import cpu, int8, isa
 
 try:
     import numba
@@ -33,11 +33,11 @@ try:
 except ImportError:            # pragma: no cover - exercised only where numba is absent
     numba = None
 
-AVAILABLE = numba is not None and kernels_q8.AVAILABLE
+AVAILABLE = numba is not None and int8.AVAILABLE
 
 
 if AVAILABLE:
-    # NOTE(exact-batching): no reassociation in the row loops (as kernels_q8's float steps).
+    # NOTE(exact-batching): no reassociation in the row loops (as int8.py's float steps).
     # PERF(fused-layer): numpy's error model drops the zero check of each division, which kept
     # LLVM from vectorising every loop that divides (SwiGLU of 8 rows: 29 us -> 1.3 us).
     _JIT = dict(cache=True, nogil=True, error_model="numpy")
@@ -158,7 +158,7 @@ if AVAILABLE:
             r, h = rh // H, rh % H
             g, p = h // M, pos[r]
             lo = max(0, p - window + 1) if window > 0 else 0
-            kernels_cpu.attend_head(qkv[r, h * D:(h + 1) * D], _layer_view(kv, seq[r], 0, li, G, D),
+            cpu.attend_head(qkv[r, h * D:(h + 1) * D], _layer_view(kv, seq[r], 0, li, G, D),
                                     _layer_view(kv, seq[r], 1, li, G, D), g, lo, p, out[r, h * D:(h + 1) * D])
 
     @njit(**_FM)
@@ -176,13 +176,13 @@ if AVAILABLE:
               norms, bqkv, qk_norm, qvs, ds, ms, isa_id):   # pragma: no cover - compiled
         # x [R, dim] in place. norms [2 or 4, dim]: the attention and MLP norms, then the post norms
         # where the model has them; bqkv [(H+2G)*D] or [0]; qvs/ds/ms: wqkv, wo, w_gate_up, w_down as
-        # kernels_q8.product takes them; isa_id: the integer dots' instruction path (isa.IDS)
+        # int8.product takes them; isa_id: the integer dots' instruction path (isa.IDS)
         literally(isa_id)
         R, dim = x.shape
         h = np.empty_like(x)
         _norm_rows(x, norms[0], eps, h)
         qkv = np.empty((R, (H + 2 * G) * D), np.float32)
-        kernels_q8.product(h, qvs[0], ds[0], ms[0], qkv, isa_id)
+        int8.product(h, qvs[0], ds[0], ms[0], qkv, isa_id)
         for r in range(R if bqkv.shape[0] else 0):
             qr = qkv[r]
             for j in range(qr.shape[0]):
@@ -190,19 +190,19 @@ if AVAILABLE:
         _heads_to_cache(qkv, seq, pos, kv, li, cos, sin, qk_norm, eps, H, G, D)
         att = np.empty((R, H * D), np.float32)
         _attend_rows(qkv, seq, pos, kv, li, window, H, G, D, att)
-        kernels_q8.product(att, qvs[1], ds[1], ms[1], h, isa_id)
+        int8.product(att, qvs[1], ds[1], ms[1], h, isa_id)
         _residual(x, h, norms, 2, eps)
         _norm_rows(x, norms[1], eps, h)
         gu = np.empty((R, ds[2].shape[0] * ds[2].shape[2]), np.float32)
-        kernels_q8.product(h, qvs[2], ds[2], ms[2], gu, isa_id)
+        int8.product(h, qvs[2], ds[2], ms[2], gu, isa_id)
         a = np.empty((R, gu.shape[1] // 2), np.float32)
         _gate_rows(gu, gelu, a)
-        kernels_q8.product(a, qvs[3], ds[3], ms[3], h, isa_id)
+        int8.product(a, qvs[3], ds[3], ms[3], h, isa_id)
         _residual(x, h, norms, 3, eps)
 
 if AVAILABLE:
     def _layer_on(isa_id):
-        """`layer` with its integer dots' instruction path fixed (see kernels_q8._product_on)."""
+        """`layer` with its integer dots' instruction path fixed (see int8._product_on)."""
         @njit(**_JIT)
         def layer_on(x, seq, pos, kv, li, window, cos, sin, eps, gelu, H, G, D,
                      norms, bqkv, qk_norm, qvs, ds, ms):   # pragma: no cover - compiled
@@ -228,8 +228,8 @@ def layer_args(cfg, lw):
     bias = lw.bqkv if lw.bqkv is not None else np.zeros(0, f32)
     return (f32(cfg.norm_eps), bool(cfg.gelu_gate), cfg.n_head, cfg.n_kv_head, cfg.head_dim,
             np.ascontiguousarray(np.stack(norms), f32), np.ascontiguousarray(bias, f32), np.ascontiguousarray(qk, f32),
-            tuple(kernels_q8.prepare(p) for p in parts), tuple(p.d for p in parts),
-            tuple(kernels_q8.NO_MINS if p.m is None else p.m for p in parts))
+            tuple(int8.prepare(p) for p in parts), tuple(p.d for p in parts),
+            tuple(int8.NO_MINS if p.m is None else p.m for p in parts))
 
 
 def addresses(caches):

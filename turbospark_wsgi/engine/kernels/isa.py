@@ -1,6 +1,6 @@
 """Which integer-dot instructions the int8 kernels compile to on this CPU, and why.
 
-The int8 kernels (kernels_q8) compute every weight block's dot product with the activations exactly
+The int8 kernels (int8.py) compute every weight block's dot product with the activations exactly
 in int32, so each path below gives the same integers, and so the same logits, as the others; they
 differ only in speed. Paths, best first:
 

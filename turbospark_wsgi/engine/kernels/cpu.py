@@ -7,7 +7,7 @@ tile that all rows reuse; q8 with B <= 2 unpacks per row). A row's result never 
 rows beside it. Larger calls dequantize slabs of W.T to float32 and hand them to BLAS. These
 keep activations float32: the results equal the dequantize-then-matmul reference up to float32
 summation order. With int8 activations (the model's KernelPlan) every product of any row count goes to the
-integer kernels of kernels_q8 instead. `attend` is causal attention computed row by row, for
+integer kernels of int8.py instead. `attend` is causal attention computed row by row, for
 prompts and decode steps alike.
 """
 import contextlib
@@ -15,7 +15,8 @@ import threading
 
 import numpy as np
 
-from . import kernels_q8, quant
+from .. import quant
+from . import int8
 
 try:
     import numba
@@ -233,17 +234,17 @@ class QLinear:
         self.w, self.threads = w, threads
         # the model's KernelPlan: activations and the int8 dots' instruction path
         self.activations = plan.activations if plan else "int8"
-        self.isa = plan.isa if plan else kernels_q8.DEFAULT.path
+        self.isa = plan.isa if plan else int8.DEFAULT.path
         self.shape = (w.k, w.n)   # the float32 matrix it replaces is (in, out)
-        if self.activations == "int8" and kernels_q8.AVAILABLE:
+        if self.activations == "int8" and int8.AVAILABLE:
             # the int8 kernels' layout, built at load rather than by a first request (~1 s for SmolLM2)
             for p in w.parts:
-                if kernels_q8.fits(p):
-                    kernels_q8.prepare(p)
+                if int8.fits(p):
+                    int8.prepare(p)
         p = w.parts[0]
         # the part int8 products go to straight (one part, no padding rows), fixed for the weight
-        self._int8_part = p if kernels_q8.AVAILABLE and len(w.parts) == 1 and \
-            p.qs.shape[0] * p.tile == p.n and kernels_q8.fits(p) else None
+        self._int8_part = p if int8.AVAILABLE and len(w.parts) == 1 and \
+            p.qs.shape[0] * p.tile == p.n and int8.fits(p) else None
         self.nbytes = w.nbytes
 
     def __rmatmul__(self, x):
@@ -271,7 +272,7 @@ class QLinear:
             # what qmatmul would do with a few Python steps less for each of a token's ~120 products
             x, y = np.ascontiguousarray(x), np.empty((x.shape[0], p.n), np.float32)
             self.use_threads(x.shape[0])
-            kernels_q8.matmul(x, p, y, self.isa)
+            int8.matmul(x, p, y, self.isa)
         else:
             y = qmatmul(x, self.w, threads=self.threads, path=path, activations=activations, isa=self.isa)
         return y.reshape(*lead, self.w.n)
@@ -292,7 +293,7 @@ def qmatmul(x, w, out=None, threads=None, path="auto", activations=None, isa=Non
     `threads` caps the numba threads for this call (default: NUMBA_NUM_THREADS / all cores);
     `path` forces "gemv" (fused kernel) or "blas" (dequantize slabs + GEMM); `activations`
     ("int8" or "float32", default ACTIVATIONS or int8) picks the kernels of every path but "blas",
-    `isa` the int8 dots' instruction path (isa.PATHS; default kernels_q8.DEFAULT's)."""
+    `isa` the int8 dots' instruction path (isa.PATHS; default int8.DEFAULT's)."""
     x = np.ascontiguousarray(x, dtype=np.float32)
     if x.ndim != 2 or x.shape[1] != w.k:
         raise ValueError(f"activation shape {x.shape} does not match weight {w.shape}")
@@ -301,12 +302,12 @@ def qmatmul(x, w, out=None, threads=None, path="auto", activations=None, isa=Non
     _use_threads(_threads_for(x.shape[0], w, threads))
     # NOTE(exact-batching): int8 activations take the integer kernels for any row count, prompt
     # chunks and decode steps alike, so a row's bits never depend on the call it came in.
-    int8 = path != "blas" and (activations or ACTIVATIONS or "int8") == "int8" and kernels_q8.AVAILABLE
+    integer = path != "blas" and (activations or ACTIVATIONS or "int8") == "int8" and int8.AVAILABLE
     start = 0
     for p in w.parts:
         part = y[:, start:start + p.n]
-        if use_gemv or int8:
-            _gemv(x, p, part, int8, isa)
+        if use_gemv or integer:
+            _gemv(x, p, part, integer, isa)
         else:
             _blas(x, p, part)
         start += p.n
@@ -319,11 +320,11 @@ def _threads_for(rows, w, threads):
     return threads
 
 
-def _gemv(x, p, y, int8=False, isa=None):
+def _gemv(x, p, y, integer=False, isa=None):
     direct = p.qs.shape[0] * p.tile == p.n and y.flags.c_contiguous
     buf = y if direct else np.empty((x.shape[0], p.qs.shape[0] * p.tile), np.float32)
-    if int8 and kernels_q8.fits(p):
-        kernels_q8.matmul(x, p, buf, isa)
+    if integer and int8.fits(p):
+        int8.matmul(x, p, buf, isa)
     # NOTE(exact-batching): a sequence must get the same numbers alone or in a batch, and a prompt
     # position the same in a prefill of any cut or a decode step, so each layout has kernels whose
     # rows do not depend on B. q4 always takes the tile kernel (each block unpacked once into a
@@ -382,9 +383,14 @@ def _use_threads(n):
         _local.threads = n
 
 
-def warmup(isa=None):
-    """Compiles (or loads from numba's on-disk cache) every kernel on tiny inputs, the int8 ones on
-    instruction path `isa` (default kernels_q8.DEFAULT's); returns seconds."""
+WARM_GROUPS = ("int8", "float")
+
+
+def warmup(isa=None, groups=WARM_GROUPS):
+    """Compiles (or loads from numba's on-disk cache) the kernels of `groups` on tiny inputs: "int8"
+    the integer products on instruction path `isa` (default int8.DEFAULT's), "float" the float
+    kernels, the BLAS path's dequantizers and attention; returns seconds. The groups compile apart
+    (engine/warm.py runs "float" in a second process while this one compiles the rest)."""
     import time
     t0 = time.perf_counter()
     rng = np.random.default_rng(0)
@@ -393,12 +399,15 @@ def warmup(isa=None):
     raw8 = rng.integers(0, 256, (16, 34), dtype=np.uint8)
     raw8[:, 0:2] = np.frombuffer(np.float16([0.01]).tobytes(), np.uint8)
     x = rng.standard_normal((3, 32)).astype(np.float32)
+    kinds = [a for a, g in (("int8", "int8"), ("float32", "float")) if g in groups]
     for raw, gtype in ((raw4, 3), (raw8, 8)):
         w = quant.pack(quant.decode(raw, gtype, (16, 32)), tile=16)
         for rows in (x[:1], x):
-            for activations in ("int8", "float32"):
+            for activations in kinds:
                 qmatmul(rows, w, path="gemv", activations=activations, isa=isa)
-        qmatmul(x, w, path="blas")
-    kv = rng.standard_normal((4, 1, 8)).astype(np.float32)
-    attend(rng.standard_normal((2, 2, 8)).astype(np.float32), kv, kv, 1, window=2)
+        if "float" in groups:
+            qmatmul(x, w, path="blas")
+    if "float" in groups:
+        kv = rng.standard_normal((4, 1, 8)).astype(np.float32)
+        attend(rng.standard_normal((2, 2, 8)).astype(np.float32), kv, kv, 1, window=2)
     return time.perf_counter() - t0
