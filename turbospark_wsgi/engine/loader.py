@@ -69,7 +69,7 @@ def _load(path, options):
     if model.fused_attention:
         # NOTE(cold-start): the kernels compile (or load from numba's cache) here, so a server says
         # it is ready only once its first request runs at full speed; once per machine, the float
-        # kernels in a second process (engine/warm.py)
+        # kernels in a second process (kernels/warm.py)
         with warm.compiling(plan.isa):
             kernels_cpu.warmup(plan.isa, groups=("int8",))
             if model.fused:
