@@ -97,8 +97,9 @@ def greedy(model, ids, steps):
 
 
 def divergence(ref, got):
-    """The first step at which `got` leaves `ref` (len(ref) when it never does)."""
-    return next((i for i, (a, b) in enumerate(zip(ref, got)) if a != b), len(ref))
+    """The first step at which `got` leaves `ref` (len(ref) when it never does; a `got` that ends
+    early leaves it where it ends)."""
+    return next((i for i, (a, b) in enumerate(zip(ref, got)) if a != b), min(len(ref), len(got)))
 
 
 def greedy_figures(steps_at):
@@ -122,8 +123,9 @@ def llama_figures(url, engine, prompts, ref_paths, ids, ref_lp, n_probs):
     import requests
 
     def completion(tokens, n, probs=0):
+        # ignore_eos: the reference's greedy path runs through end tokens too
         body = {"prompt": tokens, "n_predict": n, "temperature": 0, "top_k": 1, "cache_prompt": True,
-                "n_probs": probs, "samplers": ["top_k"], "return_tokens": True}
+                "n_probs": probs, "samplers": ["top_k"], "return_tokens": True, "ignore_eos": True}
         r = requests.post(url.rstrip("/") + "/completion", json=body, timeout=300)
         r.raise_for_status()
         return r.json()
