@@ -8,7 +8,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "turbospark_wsgi"
 
 # Layers, outermost first (a module imports only from its own layer or below).
 LAYERS = {
-    5: ("wsgi", "cli", "__main__", "workers"),
+    5: ("wsgi", "cli", "__main__", "workers", "framing"),
     4: ("app", "middleware", "refusal", "resources"),
     3: ("schemas", "sse", "parsers"),
     2: ("service", "generation", "queue", "cancel", "errors", "config", "registry", "compute", "pull", "metrics",

@@ -55,7 +55,7 @@ def create_app(config=None, service=None):
     app.resp_options.media_handlers[falcon.MEDIA_JSON] = json_handler
     add_routes(app, service, config)
     # NOTE(overload): the worker answers these routes' first refusal (a full server) from the head
-    refusal.install(service.check_room, config, REFUSED_WHEN_FULL, envelope_for)
+    refusal.install(service.check_room, config, REFUSED_WHEN_FULL, envelope_for, BODY_ROUTES)
     app.add_error_handler(Exception, _handle_unexpected)
     app.add_error_handler(falcon.HTTPError, _handle_http_error)
     app.add_error_handler(ApiError, _handle_api_error)
@@ -66,6 +66,8 @@ def create_app(config=None, service=None):
 
 # The POST routes whose first step is Service.check_room (see refusal.py).
 REFUSED_WHEN_FULL = ("/v1/completions", "/v1/chat/completions", "/v1/messages", "/v1/responses")
+# The POST routes that read a JSON body: the worker answers their 413 from a head over the limit.
+BODY_ROUTES = REFUSED_WHEN_FULL + ("/v1/embeddings", "/v1/messages/count_tokens", "/tokenize", "/detokenize")
 
 
 def add_routes(app, service, config):

@@ -1,9 +1,14 @@
 """gunicorn workers under which a slow client costs a buffer, not a worker thread.
 
 `ThreadWorker` (gthread): a request's head, and its body up to TURBOSPARK_MAX_BODY (Content-Length
-or chunked), are read off the socket by the worker's loop as they arrive; a thread runs only once
-the request is all there (or its framing is for the server's reader to refuse). `GeventWorker`: a connection may idle for the keep-alive time, but once a request's
-first byte is in, its head must follow within TURBOSPARK_HEADER_TIMEOUT.
+or chunked), are read off the socket by the worker's loop as they arrive, framed by h11
+(framing.py); a thread runs only once the request is all there (or its framing is for the server's
+reader to refuse). `GeventWorker`: a connection may idle for the keep-alive time, but once a
+request's first byte is in, its head must follow within TURBOSPARK_HEADER_TIMEOUT.
+
+Under both, what the head (or a chunk's size line) alone decides is answered at once: the app's
+413 for a body over the limit (before any `100 Continue`), its 400 for a chunk size over 64 bits;
+a request line h11 refuses (HTTP/0.9) goes to gunicorn's parser as soon as it is in.
 
 Under both, a full server's 503 to a generation request (refusal.py) is written as soon as the
 request is in: by the loop itself under gthread; under gevent from the bytes the socket holds, before
@@ -29,7 +34,6 @@ import socket
 import sys
 import time
 from concurrent import futures
-from dataclasses import dataclass
 from functools import partial
 
 from gunicorn import SERVER, util
@@ -39,6 +43,7 @@ from gunicorn.workers import ggevent, gthread
 
 from . import compute, registry
 from .config import Config
+from .framing import REFUSE, WAIT, WHOLE, Framing
 from .refusal import refusal
 
 _RECV = 256 * 1024
@@ -52,16 +57,6 @@ SWITCH_INTERVAL = 0.0005
 LINGER = 2.0                                # seconds a closed connection's input is drained, as gunicorn does
 SPARE_DESCRIPTORS = 128                     # beyond worker_connections: model files, logs, pipes
 _PEEK = 64 * 1024                           # bytes of a request gevent's early path looks at
-_HEAD_END = re.compile(rb"\r?\n\r?\n")
-_CONTENT_LENGTH = re.compile(rb"\ncontent-length[ \t]*:[ \t]*([0-9]{1,15})[ \t]*(?=\r?\n)", re.IGNORECASE)
-_TRANSFER_ENCODING = re.compile(rb"\ntransfer-encoding[ \t]*:", re.IGNORECASE)
-_EXPECT = re.compile(rb"\nexpect[ \t]*:", re.IGNORECASE)
-_CHUNKED = re.compile(rb"\ntransfer-encoding[ \t]*:[ \t]*chunked[ \t]*\r?\n", re.IGNORECASE)
-_CHUNK_SIZE = re.compile(rb"([0-9A-Fa-f]{1,16})(?:;[^\r\n]*)?\r\n")
-_SIZE_LINE = 1024                           # a longer chunk-size line (extensions included) is refused
-_CHUNKS_PER_SCAN = 4096                     # more chunks than this go to a thread's reader, never the loop's
-_REQUEST_LINE = re.compile(rb"([A-Z]{1,20}) (/[!-~]*) HTTP/1\.([01])\r\n")
-_FIELD = re.compile(rb"([!#$%&'*+.^_`|~0-9A-Za-z-]+):[ \t]*([!-~](?:[ -~\t]*[!-~])?)?[ \t]*\r\n")
 _WAIT, _READY, _EXPIRED, _CLOSED = "wait", "ready", "expired", "closed"
 
 
@@ -145,13 +140,13 @@ class ThreadWorker(_ProcessSetup, gthread.ThreadWorker):
         if self.answer_early(conn):
             return None
         conn.parser.unreader.unread(bytes(conn.pending))
-        conn.pending, conn.deadline, conn.chunks = bytearray(), None, None
+        conn.pending, conn.deadline, conn.framing = bytearray(), None, None
         return super().enqueue_req(conn)
 
     def fill(self, conn):
         """Reads what the socket holds now into `conn.pending`; _READY once it holds a whole request."""
         if not hasattr(conn, "pending"):
-            conn.pending, conn.deadline, conn.chunks = bytearray(), None, None
+            conn.pending, conn.deadline, conn.framing = bytearray(), None, None
             conn.init()
         pending = conn.pending
         pending += take_buffered(conn.parser.unreader)
@@ -182,22 +177,27 @@ class ThreadWorker(_ProcessSetup, gthread.ThreadWorker):
             self.finish_request(conn, fs)
 
     def answer_early(self, conn):
-        """Writes a full server's 503 for the buffered request when refusal() has one; True if it did."""
-        early = refusal()
-        pending = conn.pending
-        head_end = find_head_end(pending)
-        head = early and head_end > 0 and parse_head(pending[:head_end], self.cfg)
-        if not head:
+        """Writes the app's answer from the head when refusal() has one (a full server's 503, a body's
+        413 or 400 that its framing already decides); True if it did."""
+        early, framing = refusal(), conn.framing
+        head = framing.head if early and framing else None
+        if head is None:
             return False
-        method, path, version, fields = head
-        answer = early.answer(method, path, fields, conn.client)
+        if framing.state is REFUSE:
+            answer = early.refuse(head.method, head.path, head.fields, conn.client, framing.refused.status,
+                                  framing.refused.message)
+            keepalive, end = False, len(conn.pending)
+        elif framing.state is WHOLE:
+            answer = early.answer(head.method, head.path, head.fields, conn.client)
+            keepalive = (self.alive and head.version == 1 and len(self.keepalived_conns) < self.max_keepalived
+                         and not wants_close(head.fields))
+            end = framing.end
+        else:
+            return False
         if answer is None:
             return False
-        end = head_end + (body_length(pending[:head_end]) or 0)
-        keepalive = (self.alive and version == 1 and len(self.keepalived_conns) < self.max_keepalived
-                     and not wants_close(fields))
         compute.front_door().claim()
-        data = response_bytes(answer, version, keepalive)
+        data = response_bytes(answer, head.version, keepalive)
         try:
             sent = conn.sock.send(data, socket.MSG_DONTWAIT)
         except OSError:
@@ -205,35 +205,24 @@ class ThreadWorker(_ProcessSetup, gthread.ThreadWorker):
         self.unlogged.append(answer)
         if sent != len(data):
             keepalive = False               # a client that does not read its answers loses its connection
-        rest = bytes(pending[end:])
-        conn.pending, conn.deadline, conn.chunks = bytearray(), None, None
+        rest = bytes(conn.pending[end:])
+        conn.pending, conn.deadline, conn.framing = bytearray(), None, None
         if keepalive and rest:
             conn.parser.unreader.unread(rest)   # a pipelined request: finish_request dispatches it
         self.done(conn, keepalive)
         return True
 
     def check(self, conn):
-        """Whether `conn.pending` holds a whole request (_READY), needs more (_WAIT) or is late."""
-        pending = conn.pending
-        if not pending:
+        """Whether `conn.pending` holds a whole request (_READY: or one to refuse, or to hand to the
+        server's reader), needs more (_WAIT) or is late (_EXPIRED)."""
+        if not conn.pending:
             return _WAIT
-        head_end = find_head_end(pending)
-        if head_end < 0:
-            if len(pending) > self.max_head:
-                return _READY               # over gunicorn's limits: its parser refuses it
-            return _EXPIRED if late(conn, "head", self.header_timeout) else _WAIT
-        length = body_length(pending[:head_end])
-        if length is not None:
-            whole = len(pending) >= head_end + min(length, self.max_body)
-        elif _CHUNKED.search(pending, 0, head_end) and not _EXPECT.search(pending, 0, head_end):
-            conn.chunks = scan_chunks(pending, conn.chunks or ChunkScan(head_end), self.max_body, self.max_head)
-            whole = conn.chunks.done
-        else:
-            whole = True                    # no body, or a framing the server's reader judges
-        if whole:
+        if conn.framing is None:
+            conn.framing = Framing(self.max_head, self.max_body, self.cfg)
+        if conn.framing.feed(conn.pending) is not WAIT:
             return _READY
-        return _EXPIRED if late(conn, "body", self.body_timeout) else _WAIT
-
+        stage = conn.framing.stage
+        return _EXPIRED if late(conn, stage, self.header_timeout if stage == "head" else self.body_timeout) else _WAIT
 
     def finish_request(self, conn, fs):
         ok = not fs.cancelled() and fs.exception() is None
@@ -314,7 +303,10 @@ class GeventWorker(_ProcessSetup, ggevent.GeventWorker):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.header_timeout = Config.from_env().header_timeout
+        config = Config.from_env()
+        self.header_timeout = config.header_timeout
+        self.max_body = config.max_body
+        self.max_head = head_limit(self.cfg)
         self.connections = {}               # greenlet -> [client socket, parser's unreader or None]
         # NOTE(capacity): each connection is a greenlet and a socket buffer, so slow clients
         # cannot use up the pool before their timeouts end them.
@@ -335,8 +327,9 @@ class GeventWorker(_ProcessSetup, ggevent.GeventWorker):
             self.connections.pop(me, None)
 
     def answer_early(self, client, addr):
-        """Answers a full server's 503s from the bytes the socket holds, without gunicorn's parser,
-        for as long as each request in turn gets one. True when the connection is done with (EOF,
+        """Answers a full server's 503s (and a body's 413 or 400 that the head or its first bytes
+        decide) from the bytes the socket holds, without gunicorn's parser, for as long as each
+        request in turn gets one. True when the connection is done with (EOF,
         idle past keep-alive, `Connection: close`); False hands it to gunicorn's parser with the
         request it did not answer still unread: the bytes are only peeked at until answered."""
         import gevent
@@ -354,26 +347,29 @@ class GeventWorker(_ProcessSetup, ggevent.GeventWorker):
                     return True
             if not data:
                 return True                 # EOF, or idle past keep-alive: closed quietly, as gunicorn does
-            head_end = find_head_end(data)
-            head = head_end > 0 and parse_head(data[:head_end], self.cfg)
-            if not head:
-                return False
-            method, path, version, fields = head
-            end = head_end + (body_length(data[:head_end]) or 0)
-            if end > len(data):
-                return False                # the body is not all in: the parser's turn (handle_request)
+            framing = Framing(self.max_head, self.max_body, self.cfg)
+            state, head = framing.feed(data), framing.head
+            if head is None or state not in (WHOLE, REFUSE):
+                return False                # not all in, or not plain: the parser's turn (handle_request)
             try:
-                answer = early.answer(method, path, fields, addr)
+                if state is REFUSE:
+                    answer = early.refuse(head.method, head.path, head.fields, addr, framing.refused.status,
+                                          framing.refused.message)
+                else:
+                    answer = early.answer(head.method, head.path, head.fields, addr)
             except Exception:       # noqa: BLE001 - the app's own path then answers, and logs it
                 self.log.exception("the early answer failed; the app answers instead")
                 return False
             if answer is None:
                 return False
             compute.front_door().claim()
-            keepalive = self.alive and self.cfg.keepalive and version == 1 and not wants_close(fields)
+            keepalive = (state is WHOLE and self.alive and self.cfg.keepalive and head.version == 1
+                         and not wants_close(head.fields))
             try:
-                take(client, end)
-                client.sendall(response_bytes(answer, version, keepalive))
+                take(client, framing.end if state is WHOLE else len(data))
+                client.sendall(response_bytes(answer, head.version, keepalive))
+                if state is REFUSE:
+                    linger(client)          # the rest of the body may be on its way: no reset
             except OSError:
                 return True
             finally:
@@ -470,6 +466,18 @@ def reserve_descriptors(count):
     return True
 
 
+def linger(sock):
+    """Sends FIN, then reads and drops what the client still sends until it closes, or for at most
+    LINGER seconds (cooperative under gevent): closing with unread input would reset the answer."""
+    import gevent
+
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_WR)
+        with gevent.Timeout(LINGER, False):
+            while sock.recv(_RECV):
+                pass
+
+
 def take(sock, count):
     """Reads and drops `count` bytes that the socket already holds (a request answered early)."""
     while count > 0:
@@ -515,77 +523,6 @@ def read_available(sock, pending):
         pending += data
         if len(data) < _RECV:
             return False
-
-
-def find_head_end(pending):
-    """Where the head ends (after its empty line), or -1; one leading empty line is allowed."""
-    start = 2 if pending[:2] == b"\r\n" else 0
-    match = _HEAD_END.search(pending, start)
-    return match.end() if match else -1
-
-
-def body_length(head):
-    """The Content-Length to buffer, or None: chunked, unclear, or awaited by a client that expects
-    a `100 Continue` first (gunicorn sends it when the app starts reading)."""
-    if _TRANSFER_ENCODING.search(head) or _EXPECT.search(head):
-        return None
-    lengths = {m.group(1) for m in _CONTENT_LENGTH.finditer(head)}
-    return int(lengths.pop()) if len(lengths) == 1 else None
-
-
-@dataclass(slots=True)
-class ChunkScan:
-    """How far a chunked body is known to be framed: `pos` in the buffer, `size` of its data."""
-    pos: int
-    size: int = 0
-    done: bool = False                      # whole, or for the server's reader to refuse
-
-
-def scan_chunks(buf, scan, limit, trailer_limit):
-    """Follows a chunked body in `buf` from where `scan` stopped (each chunk is read once, however
-    many times the buffer grows). Done once the last chunk and the trailers are in, and also at the
-    first thing the reader must refuse (a bad size line or CRLF, data past `limit` bytes): the
-    server's reader then answers it, and the app's body limit, at once."""
-    pos, size = scan.pos, scan.size
-    for _ in range(_CHUNKS_PER_SCAN):
-        line = _CHUNK_SIZE.match(buf, pos)
-        if line is None:
-            incomplete = buf.find(b"\n", pos, pos + _SIZE_LINE) < 0 and len(buf) - pos <= _SIZE_LINE
-            return ChunkScan(pos, size, done=not incomplete)
-        chunk = int(line.group(1), 16)
-        if chunk == 0:
-            end = buf.find(b"\r\n\r\n", line.end() - 2, line.end() + trailer_limit)
-            whole = end >= 0 or len(buf) - line.end() > trailer_limit
-            return ChunkScan(pos, size, done=whole)
-        if size + chunk > limit:
-            return ChunkScan(pos, size, done=True)
-        end = line.end() + chunk
-        if len(buf) < end + 2:
-            return ChunkScan(pos, size)
-        if buf[end:end + 2] != b"\r\n":
-            return ChunkScan(pos, size, done=True)
-        pos, size = end + 2, size + chunk
-    return ChunkScan(pos, size, done=True)  # NOTE(cost): a body of tiny chunks is a thread's to read
-
-
-def parse_head(head, cfg):
-    """(method, path, minor version, [(name, value)]) of a plain HTTP/1.x request head within the
-    server's limits; None for anything else (the server's own parser then answers it)."""
-    head = bytes(head[2:] if head[:2] == b"\r\n" else head)
-    line = _REQUEST_LINE.match(head)
-    if line is None or 0 < cfg.limit_request_line < line.end() - 2:
-        return None
-    fields, pos, end = [], line.end(), len(head) - 2
-    while pos < end:
-        field = _FIELD.match(head, pos)
-        if field is None or 0 < cfg.limit_request_field_size < field.end() - pos:
-            return None
-        fields.append((field.group(1).decode("ascii"), (field.group(2) or b"").decode("ascii")))
-        pos = field.end()
-    if pos != end or head[end:] != b"\r\n" or 0 < cfg.limit_request_fields < len(fields):
-        return None
-    path = line.group(2).decode("ascii").partition("?")[0]
-    return line.group(1).decode("ascii"), path, int(line.group(3)), fields
 
 
 def wants_close(fields):
