@@ -12,7 +12,7 @@ LAYERS = {
     4: ("app", "middleware", "refusal", "resources"),
     3: ("schemas", "sse", "parsers"),
     2: ("service", "generation", "queue", "cancel", "errors", "config", "registry", "compute", "pull", "metrics",
-        "logsafe", "limits", "limits_redis", "response_store", "response_store_redis"),
+        "logsafe", "limits", "limits_store", "limits_redis", "response_store", "response_store_redis"),
     1: ("engine",),
 }
 TOP_LEVEL = {"__init__"}        # turbospark_wsgi/__init__.py: __version__ only
@@ -107,3 +107,39 @@ def test_the_package_import_is_light():
             "print(sorted(m for m in ('falcon', 'cupy', 'tokenizers', 'jinja2') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def package_graph():
+    """module -> the package's modules it imports (lazy imports inside functions included)."""
+    names = {name for name, _ in ALL}
+    graph = {}
+    for name, path in ALL:
+        targets = set()
+        for imp in imports(name, path):
+            if not imp.startswith("turbospark_wsgi."):
+                continue
+            mod = imp[len("turbospark_wsgi."):]
+            while mod and mod not in names:         # `from .x import Name`: the module is x
+                mod = mod.rpartition(".")[0]
+            if mod and mod != name and not name.startswith(mod + "."):     # a package's own __init__
+                targets.add(mod)
+        graph[name] = targets
+    return graph
+
+
+def test_no_import_circles():
+    graph, done, path = package_graph(), set(), []
+
+    def visit(node):
+        if node in path:
+            raise AssertionError("import circle: " + " -> ".join(path[path.index(node):] + [node]))
+        if node in done:
+            return
+        path.append(node)
+        for target in sorted(graph.get(node, ())):
+            visit(target)
+        path.pop()
+        done.add(node)
+
+    for node in sorted(graph):
+        visit(node)

@@ -33,6 +33,7 @@ from datetime import datetime, timezone
 from . import metrics
 from .config import ConfigError
 from .errors import Overloaded, RateLimited
+from .limits_store import Levels, Store
 
 log = logging.getLogger("turbospark.limits")
 
@@ -157,21 +158,11 @@ class Subject:
     limit: Limit
 
 
-@dataclass(frozen=True, slots=True)
-class Levels:
-    """A client's counters as admission left them: bucket levels (may be negative for tokens),
-    tokens used today, and the wall clock they were read at (unix seconds)."""
-
-    requests: float
-    tokens: float
-    day_used: int
-    now: float
-
-
 class Limits:
-    """The limits of one server process; `store` keeps the counters (a MemoryStore by default)."""
+    """The limits of one server process; `store` (a limits_store.Store) keeps the counters: a
+    MemoryStore by default, a RedisStore with TURBOSPARK_REDIS."""
 
-    def __init__(self, path="", auth_enabled=False, store=None, table=None):
+    def __init__(self, path="", auth_enabled=False, store: Store | None = None, table=None):
         self.path = path
         self.auth_enabled = auth_enabled
         self.store = store if store is not None else MemoryStore()
@@ -413,7 +404,7 @@ class _Counters:
 
 
 class MemoryStore:
-    """The counters in this process: the limits hold per replica."""
+    """The counters in this process (a limits_store.Store): the limits hold per replica."""
 
     flush_every = 0.0           # completion tokens are charged one by one (a lock, no I/O)
     PRUNE_EVERY = 1024

@@ -1,5 +1,6 @@
-"""The limits' counters in Redis (TURBOSPARK_REDIS=redis://host:port/db), shared by every
-replica: the same buckets as limits.MemoryStore, kept by atomic Lua scripts on Redis's own clock.
+"""The limits' counters in Redis (TURBOSPARK_REDIS=redis://host:port/db), shared by every replica:
+a limits_store.Store with the same buckets as limits.MemoryStore, kept by atomic Lua scripts on
+Redis's own clock.
 
 Per client (KEY = turbospark:limits:<bucket>):
     KEY:rate        hash {r, t, at}: the request and token buckets and when they were last refilled
@@ -18,7 +19,7 @@ import uuid
 
 import redis
 
-from .limits import Levels
+from .limits_store import Levels
 
 log = logging.getLogger("turbospark.limits")
 
@@ -97,7 +98,7 @@ return 1
 
 
 class RedisStore:
-    """limits.MemoryStore's interface on Redis; completion tokens are charged once a second."""
+    """The counters as a limits_store.Store on Redis; completion tokens are charged once a second."""
 
     flush_every = 1.0
 
