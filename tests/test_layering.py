@@ -12,7 +12,7 @@ LAYERS = {
     4: ("app", "middleware", "refusal", "resources"),
     3: ("schemas", "sse", "parsers"),
     2: ("service", "generation", "queue", "cancel", "errors", "config", "registry", "compute", "pull", "metrics",
-        "logsafe", "limits", "limits_store", "limits_redis", "response_store", "response_store_redis"),
+        "logsafe", "limits", "limits_store", "limits_redis", "response_store", "response_store_redis", "prompts"),
     1: ("engine",),
 }
 TOP_LEVEL = {"__init__"}        # turbospark_wsgi/__init__.py: __version__ only

@@ -9,15 +9,15 @@ import dataclasses
 import logging
 import os
 import threading
-import time
 from dataclasses import dataclass, field
 
 from . import compute, metrics
 from .cancel import CancelToken
 from .engine import SamplingParams
-from .errors import ApiError, ContextLengthExceeded, InvalidRequest, Overloaded
+from .errors import ApiError, InvalidRequest
 from .generation import Generation, PromptBatch
 from .limits import Limits
+from .prompts import Prompts, check_ids, encode_text, keep_last, template_source, truncation
 from .queue import LockQueue
 from .registry import Registry
 
@@ -88,6 +88,7 @@ class Service:
         self.queue = queue if queue is not None else LockQueue(config.max_waiting, config.queue_timeout,
                                                                         slots=config.max_batch,
                                                                         spare=config.max_paused)
+        self.prompts = Prompts(config)
         self._loading_pid = None
         self._load_error = None
 
@@ -100,7 +101,7 @@ class Service:
     def run(self, req, cancel):
         """Admits `req` now (room, model, tokens, context, queue: ApiError on refusal) and returns a
         lazy `Generation` iterator that waits its turn and then generates."""
-        self._check_without_model(req)          # NOTE(order): no model needed, so before resolving one
+        self.prompts.check_without_model(req, self.queue)          # NOTE(order): no model needed, so before resolving one
         # NOTE(overload): a full server refuses before the model is resolved and the prompt rendered
         # and tokenized: that work, sharing the GIL with a busy compute thread, made 503s slow.
         self.queue.check_room(req.client)
@@ -119,25 +120,16 @@ class Service:
     def _admit(self, engine, req, cancel, on_close):
         if req.prompts is not None:
             return self._admit_batch(engine, req, cancel, on_close)
-        ids, params, grammar, plan = self._prepare(engine, req)
+        ids, params, grammar, plan = self.prompts.prepare(engine, req)
         ticket = self.queue.enqueue(cancel, client=req.client)
         return Generation(engine, ids, params, req, cancel, ticket, self.config.keepalive, grammar, plan=plan,
                           time_limit=self.config.max_generation_seconds, on_close=on_close)
-
-    def _prepare(self, engine, req):
-        """(prompt ids, sampling params, compiled grammar or None, the chat's OutputPlan or None)."""
-        plan = req.chat.plan(_template_source(engine)) if req.chat is not None else None
-        ids = self._prompt_ids(engine, req, plan)
-        params = dataclasses.replace(req.params, max_new_tokens=self._budget(engine, req, len(ids)),
-                                     logprobs=_logprobs_wanted(req))
-        self._check_logit_bias(engine, params)
-        return ids, params, self._grammar(engine, plan), plan
 
     def _admit_batch(self, engine, req, cancel, on_close):
         """A prompt list: every prompt is checked first, then each takes its own queue place and
         runs as its own sequence of the running batch (a PromptBatch drives them side by side)."""
         reqs = [_one_prompt(req, i, p) for i, p in enumerate(req.prompts)]
-        prepared = [self._prepare(engine, r) for r in reqs]
+        prepared = [self.prompts.prepare(engine, r) for r in reqs]
         gens = []
         try:
             for r, (ids, params, grammar, _) in zip(reqs, prepared):
@@ -176,7 +168,7 @@ class Service:
             body["backend_reason"] = engine.backend_reason
             if getattr(engine, "kernels", ""):
                 body["kernels"] = engine.kernels
-            body["max_context"] = self._context(engine)
+            body["max_context"] = self.prompts.context(engine)
         elif self._load_error:
             body["error"] = self._load_error
         return body
@@ -199,84 +191,6 @@ class Service:
             self._load_error = "the default model could not be loaded (see the server log)"
             log.exception("loading the default model failed")
 
-    def _prompt_ids(self, engine, req, plan=None):
-        if req.prompt_ids is not None:
-            ids = list(req.prompt_ids)
-            _check_ids(engine.config.vocab_size, ids, req.prompt_param)
-        elif plan is not None:
-            try:
-                # NOTE(kwargs): one dict, never **-spread: a key named like a parameter is the engine's to refuse.
-                ids = engine.apply_chat_template(plan.messages, tools=plan.tools,
-                                                 template_kwargs=req.chat.template_kwargs)
-            except ValueError as e:
-                raise InvalidRequest(str(e), param=getattr(e, "param", None) or "messages") from e
-            if plan.assistant_prefix:
-                # NOTE(prefix): the forced tool-call opening is server markup (Mistral's [TOOL_CALLS] is a
-                # control token); the only client text in it is a tool name, checked to [A-Za-z0-9_.-].
-                ids = ids + engine.encode(plan.assistant_prefix, add_bos=False)
-        else:
-            ids = _encode_text(engine, req)
-        if not ids:
-            raise InvalidRequest("the prompt is empty", param=req.prompt_param)
-        if req.truncate_prompt_tokens is not None:
-            keep = _truncation(req.truncate_prompt_tokens, self._context(engine), "context length")
-            bos = req.prompt is not None and req.add_special and engine.add_bos
-            ids = keep_last(ids, keep, head=int(bos))
-        return ids
-
-    def _context(self, engine):
-        cap = self.config.max_context
-        return min(engine.max_context, cap) if cap else engine.max_context
-
-    def _budget(self, engine, req, n_prompt):
-        ctx = self._context(engine)
-        if n_prompt + 1 > ctx:
-            raise ContextLengthExceeded(
-                f"This model's maximum context length is {ctx} tokens, but the prompt has {n_prompt} "
-                f"tokens, which leaves no room for a completion. Please shorten the prompt.",
-                param=req.prompt_param)
-        cap = self.config.max_prompt_tokens
-        if cap and n_prompt > cap:
-            raise InvalidRequest(f"The prompt has {n_prompt} tokens; this server accepts at most {cap} "
-                                 f"(TURBOSPARK_MAX_PROMPT_TOKENS)", param=req.prompt_param, code="prompt_too_long")
-        if req.max_tokens is None:
-            return min(ctx - n_prompt, self.config.max_tokens_cap or ctx)
-        if req.max_tokens == 0:             # echo only: score the prompt, generate nothing
-            return 0
-        if n_prompt + req.max_tokens > ctx:
-            raise ContextLengthExceeded(
-                f"This model's maximum context length is {ctx} tokens. However, you requested "
-                f"{n_prompt + req.max_tokens} tokens ({n_prompt} in the prompt, {req.max_tokens} for "
-                f"the completion). Please reduce the length of the prompt or max_tokens.",
-                param="max_tokens")
-        return req.max_tokens
-
-    def _grammar(self, engine, plan):
-        if plan is None or plan.grammar is None:
-            return None
-        # NOTE(grammar): compiled aside, never on the compute thread (a client's schema may take
-        # seconds), within TURBOSPARK_GRAMMAR_TIMEOUT; a compile past it runs on to its end aside.
-        # NOTE(aside-busy): the limit counts the compile's own time. Other clients' compiles that ran
-        # past their limit still hold the pool; a grammar that never got a compiler in time is the
-        # server's 503, not this client's 400.
-        begun = []
-        job = compute.aside(_timed, begun, engine.compile_grammar, plan.grammar)
-        limit = self.config.grammar_timeout
-        try:
-            try:
-                return job.result(timeout=limit)
-            except TimeoutError:
-                if not begun and job.cancel():      # not started: it never will
-                    raise Overloaded("every grammar compiler is busy with other requests' schemas; retry",
-                                     retry_after=max(1, round(limit))) from None
-                waited = time.monotonic() - begun[0] if begun else 0.0
-                return job.result(timeout=max(0.0, limit - waited))
-        except TimeoutError:
-            raise InvalidRequest(f"'{plan.grammar_param}' took longer than {limit:g} s to compile into a grammar; "
-                                 f"simplify the schema", param=plan.grammar_param) from None
-        except ValueError as e:
-            raise InvalidRequest(f"'{plan.grammar_param}' cannot be enforced: {e}", param=plan.grammar_param) from e
-
     def embed(self, req):
         """An EmbeddingResult for an EmbeddingRequest: the inputs checked, then run through the
         model's encoder on the compute thread (ApiError on refusal)."""
@@ -295,7 +209,7 @@ class Service:
             if req.dimensions is not None and req.dimensions > engine.dim:
                 raise InvalidRequest(f"'dimensions' is {req.dimensions}; the model '{name}' embeds in "
                                      f"{engine.dim}", param="dimensions")
-            keep = None if req.truncate is None else _truncation(req.truncate, engine.max_tokens, "input limit")
+            keep = None if req.truncate is None else truncation(req.truncate, engine.max_tokens, "input limit")
             seqs = _embedding_ids(engine, req, keep)
             vectors = []
             # NOTE(queue): a place in the same FIFO as generations (503 when it is full), held while
@@ -311,9 +225,9 @@ class Service:
         """(token ids, max context) for a GenerationRequest's prompt, as `run` would build them."""
         engine = _generating(self.registry.resolve(req.model), req.model or self.default_model)
         if req.prompt == "":
-            return _encode_text(engine, req), self._context(engine)
-        plan = req.chat.plan(_template_source(engine)) if req.chat is not None else None
-        return self._prompt_ids(engine, req, plan), self._context(engine)
+            return encode_text(engine, req), self.prompts.context(engine)
+        plan = req.chat.plan(template_source(engine)) if req.chat is not None else None
+        return self.prompts.ids(engine, req, plan), self.prompts.context(engine)
 
     def tokenizer_info(self, model):
         """What the tokenizer of `model` (resolving it) is: its special tokens, BOS rule, chat
@@ -321,32 +235,13 @@ class Service:
         engine = _generating(self.registry.resolve(model), model or self.default_model)
         tokenizer = engine.tokenizer
         return TokenizerInfo(bos_token=tokenizer.bos_token, eos_token=tokenizer.eos_token, add_bos=engine.add_bos,
-                             chat_template=_template_source(engine), max_context=self._context(engine))
+                             chat_template=template_source(engine), max_context=self.prompts.context(engine))
 
     def detokenize(self, model, ids):
         """The text of token ids (special tokens kept), checked against the vocabulary."""
         engine = _generating(self.registry.resolve(model), model or self.default_model)
-        _check_ids(engine.config.vocab_size, ids, "tokens")
+        check_ids(engine.config.vocab_size, ids, "tokens")
         return engine.decode(list(ids), skip_special=False)
-
-    def _check_without_model(self, req):
-        """The server's limits a request can be held to before any model is resolved."""
-        cap = self.config.max_tokens_cap
-        if cap and req.max_tokens is not None and req.max_tokens > cap:
-            raise InvalidRequest(f"max_tokens is {req.max_tokens}; this server allows at most {cap} "
-                                 f"(TURBOSPARK_MAX_TOKENS_CAP)", param="max_tokens", code="max_tokens_too_large")
-        room = self.queue.slots + self.queue.max_waiting
-        if req.prompts is not None and len(req.prompts) > room:
-            raise InvalidRequest(f"'prompt' holds {len(req.prompts)} prompts; this server runs or queues at most "
-                                 f"{room} at once (TURBOSPARK_MAX_BATCH + TURBOSPARK_MAX_WAITING)", param="prompt")
-
-    def _check_logit_bias(self, engine, params):
-        vocab = engine.config.vocab_size
-        bad = next((t for t in params.logit_bias if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise InvalidRequest(f"logit_bias token id {bad} is outside the vocabulary (0..{vocab - 1})",
-                                 param="logit_bias")
-
 
 @dataclass(slots=True)
 class TokenizerInfo:
@@ -378,32 +273,6 @@ def _chunks(seqs, most, tokens):
         yield run
 
 
-def _truncation(value, limit, what):
-    """The number of tokens `truncate_prompt_tokens` keeps: -1 is the model's limit; more than the
-    limit is a 400, as in vLLM."""
-    if value > limit:
-        raise InvalidRequest(f"'truncate_prompt_tokens' is {value}; this model's {what} is {limit} tokens",
-                             param="truncate_prompt_tokens")
-    return limit if value < 0 else value
-
-
-def keep_last(ids, n, head=0, tail=0):
-    """The last `n` tokens of `ids` (vLLM's left truncation), keeping the `head` leading and `tail`
-    trailing special tokens the tokenizer added (BOS, [CLS] ... [SEP]) as the tokenizer's own
-    truncation does, where they leave room for at least one token of the text."""
-    if len(ids) <= n:
-        return list(ids)
-    if n <= head + tail:
-        return list(ids[-n:])
-    end = len(ids) - tail
-    return list(ids[:head]) + list(ids[end - (n - head - tail):end]) + list(ids[end:])
-
-
-def _template_source(engine):
-    """The chat template source of a generating engine."""
-    return engine.template.source
-
-
 def _embedding_ids(engine, req, keep=None):
     """Token ids of every input, each checked: not empty, inside the vocabulary, within the
     model's limit (an input over it is refused unless `keep`, truncate_prompt_tokens, cuts it)."""
@@ -416,18 +285,12 @@ def _embedding_ids(engine, req, keep=None):
         if req.ids is not None:
             if not ids:
                 raise InvalidRequest(f"{where} holds no token ids", param="input")
-            _check_ids(engine.vocab_size, ids, "input", where)
+            check_ids(engine.vocab_size, ids, "input", where)
         if len(ids) > engine.max_tokens:
             raise InvalidRequest(f"{where} has {len(ids)} tokens; this model embeds at most {engine.max_tokens} "
                                  f"tokens per input (truncate_prompt_tokens keeps the last N)", param="input",
                                  code="context_length_exceeded")
     return seqs
-
-
-def _encode_text(engine, req):
-    # NOTE(bos): llama.cpp's add_special: BOS only where the model asks for it (SmolLM2's GGUF says
-    # add_bos_token = false), so a text prompt and the same text's token ids score alike.
-    return engine.encode(req.prompt or "", add_bos=req.add_special and engine.add_bos)
 
 
 def _one_prompt(req, i, prompt):
@@ -436,21 +299,4 @@ def _one_prompt(req, i, prompt):
                                prompt_ids=None if text else prompt, prompt_param=f"prompt[{i}]")
 
 
-def _check_ids(vocab, ids, param, where=""):
-    """InvalidRequest naming `param` (and `where`, the input it is in) for an id outside 0..vocab-1."""
-    bad = next((t for t in ids if not 0 <= t < vocab), None)
-    if bad is not None:
-        raise InvalidRequest(f"{where + ': ' if where else ''}token id {bad} is outside the vocabulary "
-                             f"(0..{vocab - 1})", param=param)
 
-
-def _logprobs_wanted(req):
-    if req.logprobs is not None:
-        return req.logprobs
-    return 0 if (req.best_of or 0) > req.n else None      # best_of ranks by cumulative logprob
-
-
-def _timed(begun, fn, *args):
-    """fn(*args), noting in `begun` when it started."""
-    begun.append(time.monotonic())
-    return fn(*args)
