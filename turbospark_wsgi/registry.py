@@ -1,5 +1,6 @@
-"""Installed models: discovery in the models directory, aliases, loading on first request, and
-unloading of idle models (least recently used first) to stay within a memory budget."""
+"""Installed models: what the models directory holds and the names that find it (Catalog), and the
+loaded engines (Registry): loading on first request, leases, and unloading of idle models (least
+recently used first) to stay within a memory budget."""
 import gc
 import json
 import logging
@@ -56,6 +57,92 @@ class Lease:
             registry._release(self._key)
 
 
+class Catalog:
+    """What the models directory holds: installed ids (GGUF files, model directories), aliases
+    (built in and aliases.json) and the default model, found by name; nothing here loads a model."""
+
+    def __init__(self, config):
+        self._config = config
+
+    @property
+    def default_name(self):
+        return self._config.model
+
+    def list(self, loaded=()):
+        """Installed models and aliases whose target exists, plus the default model if it is a path;
+        `loaded`: the real paths of the models loaded now."""
+        installed = self.installed()
+        infos = [self._info(mid, path, loaded) for mid, path in installed.items()]
+        for alias, target in self._aliases().items():
+            path = self._target_path(target, installed)
+            if path and alias not in installed:
+                infos.append(self._info(alias, path, loaded, alias_of=_id_for(path, installed)))
+        if not any(i.id == self.default_name for i in infos):
+            found = self.find(self.default_name)
+            if found:
+                infos.append(self._info(self.default_name, found, loaded))
+        return infos
+
+    def find(self, name):
+        """The file or directory for an installed id or alias (any case), or for the exact string the
+        operator configured as the default model (which may be a path); None otherwise.
+
+        NOTE(paths): a name from a request is looked up, never joined onto a path or opened: a
+        request can reach only what the operator put in the models directory (symlinks and alias
+        targets included) or named as the default, and an unknown name says nothing about files."""
+        installed = self.installed()
+        if name in installed:
+            return installed[name]
+        target = self._aliases().get(name)
+        if target is not None:
+            return self._target_path(target, installed)
+        folded = {k.casefold(): v for k, v in installed.items()}
+        if name.casefold() in folded:
+            return folded[name.casefold()]
+        return name if name == self.default_name and _is_model_path(name) else None
+
+    def installed(self):
+        root = self._config.models_dir
+        try:
+            names = sorted(os.listdir(root))
+        except OSError:
+            return {}
+        found = {}
+        for entry in names:
+            path = os.path.join(root, entry)
+            if entry.endswith(".gguf") and os.path.isfile(path):
+                found[entry[:-5]] = path
+            elif os.path.isfile(os.path.join(path, "config.json")):
+                found[entry] = path
+        return found
+
+    def _aliases(self):
+        aliases = dict(BUILTIN_ALIASES)
+        path = os.path.join(self._config.models_dir, ALIASES_FILE)
+        try:
+            with open(path, encoding="utf-8") as f:
+                extra = json.load(f)
+        except FileNotFoundError:
+            return aliases
+        except (OSError, ValueError) as e:
+            log.warning("ignoring %s: %s", path, e)
+            return aliases
+        if isinstance(extra, dict):
+            aliases.update({k: v for k, v in extra.items() if isinstance(k, str) and isinstance(v, str)})
+        return aliases
+
+    def _target_path(self, target, installed):
+        if target in installed:
+            return installed[target]
+        path = os.path.join(self._config.models_dir, os.path.expanduser(target))
+        return path if os.path.exists(path) else None
+
+    def _info(self, model_id, path, loaded, alias_of=None):
+        return ModelInfo(id=model_id, path=path, loaded=os.path.realpath(path) in loaded,
+                         created=int(_mtime(path)), alias_of=alias_of,
+                         kind="embedding" if is_embedding_model(path) else "generation")
+
+
 class Registry:
     """Finds models by id, alias or path and loads each once (on the compute thread).
 
@@ -67,6 +154,7 @@ class Registry:
 
     def __init__(self, config, loader=None):
         self._config = config
+        self.catalog = Catalog(config)
         self._loader = loader
         self._engines = OrderedDict()   # real path -> _Loaded, least recently used first
         self._failures = {}         # real path -> (mtime, message)
@@ -78,36 +166,11 @@ class Registry:
         return self._config.model
 
     def list(self):
-        """Installed models and aliases whose target exists, plus the default model if it is a path."""
-        installed = self._installed()
-        infos = [self._info(mid, path) for mid, path in installed.items()]
-        for alias, target in self._aliases().items():
-            path = self._target_path(target, installed)
-            if path and alias not in installed:
-                infos.append(self._info(alias, path, alias_of=_id_for(path, installed)))
-        if not any(i.id == self.default_name for i in infos):
-            found = self.find(self.default_name)
-            if found:
-                infos.append(self._info(self.default_name, found))
-        return infos
+        """The catalogue's models (Catalog.list), each saying whether it is loaded now."""
+        return self.catalog.list(self._engines)
 
     def find(self, name):
-        """The file or directory for an installed id or alias (any case), or for the exact string the
-        operator configured as the default model (which may be a path); None otherwise.
-
-        NOTE(paths): a name from a request is looked up, never joined onto a path or opened: a
-        request can reach only what the operator put in the models directory (symlinks and alias
-        targets included) or named as the default, and an unknown name says nothing about files."""
-        installed = self._installed()
-        if name in installed:
-            return installed[name]
-        target = self._aliases().get(name)
-        if target is not None:
-            return self._target_path(target, installed)
-        folded = {k.casefold(): v for k, v in installed.items()}
-        if name.casefold() in folded:
-            return folded[name.casefold()]
-        return name if name == self.default_name and _is_model_path(name) else None
+        return self.catalog.find(name)
 
     def loaded(self, name=None):
         """The engine for `name` (default: the default model) if it is loaded, else None."""
@@ -164,7 +227,7 @@ class Registry:
 
     def _load_engine(self, name, key, mtime):
         started = time.monotonic()
-        model_id = _id_for(key, self._installed())
+        model_id = _id_for(key, self.catalog.installed())
         try:
             engine = compute.run(self._loader_for(key), key, options=self._config.engine_options(), name=model_id)
         except Exception as e:     # noqa: BLE001 - any failure to load a file is that model's failure
@@ -230,48 +293,6 @@ class Registry:
     def _lock_for(self, key):
         with self._guard:
             return self._locks.setdefault(key, threading.Lock())
-
-    def _installed(self):
-        root = self._config.models_dir
-        try:
-            names = sorted(os.listdir(root))
-        except OSError:
-            return {}
-        found = {}
-        for entry in names:
-            path = os.path.join(root, entry)
-            if entry.endswith(".gguf") and os.path.isfile(path):
-                found[entry[:-5]] = path
-            elif os.path.isfile(os.path.join(path, "config.json")):
-                found[entry] = path
-        return found
-
-    def _aliases(self):
-        aliases = dict(BUILTIN_ALIASES)
-        path = os.path.join(self._config.models_dir, ALIASES_FILE)
-        try:
-            with open(path, encoding="utf-8") as f:
-                extra = json.load(f)
-        except FileNotFoundError:
-            return aliases
-        except (OSError, ValueError) as e:
-            log.warning("ignoring %s: %s", path, e)
-            return aliases
-        if isinstance(extra, dict):
-            aliases.update({k: v for k, v in extra.items() if isinstance(k, str) and isinstance(v, str)})
-        return aliases
-
-    def _target_path(self, target, installed):
-        if target in installed:
-            return installed[target]
-        path = os.path.join(self._config.models_dir, os.path.expanduser(target))
-        return path if os.path.exists(path) else None
-
-    def _info(self, model_id, path, alias_of=None):
-        return ModelInfo(id=model_id, path=path, loaded=os.path.realpath(path) in self._engines,
-                         created=int(_mtime(path)), alias_of=alias_of,
-                         kind="embedding" if is_embedding_model(path) else "generation")
-
 
 _freeze_after_load = False
 
