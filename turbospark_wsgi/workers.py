@@ -83,8 +83,7 @@ class ThreadWorker(_ProcessSetup, gthread.ThreadWorker):
         self.max_body = config.max_body
         self.max_head = head_limit(self.cfg)
         self.deadlines = []                 # heap (when, seq, deadline, conn): parked requests to time out
-        self.closing = []                   # heap (when, seq, socket): lingering closes to end
-        self.lingering = set()
+        self.lingering = Lingering(lambda: self.poller)
         self.seq = itertools.count()
         self.unlogged = []                  # early answers sent on this turn of the loop, to log after it
 
@@ -228,11 +227,8 @@ class ThreadWorker(_ProcessSetup, gthread.ThreadWorker):
         ok = not fs.cancelled() and fs.exception() is None
         result = fs.result() if ok else False
         if result is False:
-            # NOTE(linger): gunicorn drains a closing connection for up to 2 s on the loop's only
-            # thread, so a client that keeps sending would stall every other connection. The
-            # poller drains it instead.
             self.nr_conns -= 1
-            self.linger(conn.sock)
+            self.lingering.add(conn.sock)   # NOTE(linger): not gunicorn's 2 s drain on the loop
             return
         super().finish_request(conn, fs)
 
@@ -248,8 +244,7 @@ class ThreadWorker(_ProcessSetup, gthread.ThreadWorker):
             _, _, deadline, conn = heapq.heappop(self.deadlines)
             if conn.parked and conn.deadline is deadline:
                 self.expire(conn)
-        while self.closing and self.closing[0][0] <= now:
-            self.unlinger(heapq.heappop(self.closing)[2])
+        self.lingering.end_due(now)
 
     def expire(self, conn):
         conn.parked = False
@@ -261,26 +256,43 @@ class ThreadWorker(_ProcessSetup, gthread.ThreadWorker):
             self.poller.unregister(conn.sock)
         self.nr_conns -= 1
         self.refuse(conn)
-        self.linger(conn.sock)
+        self.lingering.add(conn.sock)
 
     def refuse(self, conn):
         stage = conn.deadline[0] if conn.deadline else "head"
         self.log.debug("408 to %s: its request %s was not all in within the timeout", conn.client, stage)
         refuse_timeout(conn.sock, conn.pending)
 
-    def linger(self, sock):
-        """Sends FIN, then closes once the client stops sending (EOF) or after LINGER seconds."""
+
+class Lingering:
+    """Closes that first wait for the client to stop sending, on the gthread loop's poller: FIN
+    sent, input drained as it comes, the socket closed at EOF or after LINGER seconds.
+
+    NOTE(linger): gunicorn drains a closing connection for up to 2 s on the loop's only thread, so a
+    client that keeps sending would stall every other connection; the poller drains it instead."""
+
+    def __init__(self, poller):
+        self._poller = poller               # () -> the loop's selector (gthread makes it in init_process)
+        self._socks = set()
+        self._due = []                      # heap (when, seq, socket)
+        self._seq = itertools.count()
+
+    def add(self, sock):
         try:
             sock.shutdown(socket.SHUT_WR)
             sock.setblocking(False)
-            self.poller.register(sock, selectors.EVENT_READ, self.drain)
+            self._poller().register(sock, selectors.EVENT_READ, self._drain)
         except (OSError, ValueError, KeyError):
             util.close(sock)
             return
-        self.lingering.add(sock)
-        heapq.heappush(self.closing, (time.monotonic() + LINGER, next(self.seq), sock))
+        self._socks.add(sock)
+        heapq.heappush(self._due, (time.monotonic() + LINGER, next(self._seq), sock))
 
-    def drain(self, sock):
+    def end_due(self, now):
+        while self._due and self._due[0][0] <= now:
+            self._end(heapq.heappop(self._due)[2])
+
+    def _drain(self, sock):
         try:
             if sock.recv(_RECV):
                 return
@@ -288,13 +300,13 @@ class ThreadWorker(_ProcessSetup, gthread.ThreadWorker):
             return
         except OSError:
             pass
-        self.unlinger(sock)
+        self._end(sock)
 
-    def unlinger(self, sock):
-        if sock in self.lingering:
-            self.lingering.discard(sock)
+    def _end(self, sock):
+        if sock in self._socks:
+            self._socks.discard(sock)
             with contextlib.suppress(OSError, KeyError, ValueError):
-                self.poller.unregister(sock)
+                self._poller().unregister(sock)
             util.close(sock)
 
 
