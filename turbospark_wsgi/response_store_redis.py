@@ -23,7 +23,6 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from .errors import StoreUnavailable
-from .response_store import not_kept
 
 log = logging.getLogger("turbospark.responses")
 
@@ -74,7 +73,9 @@ class RedisResponseStore:
         history = (parent.history() if parent is not None else []) + list(messages)
         value = json.dumps({"body": body, "history": history}, separators=(",", ":"))
         if len(value) > self._item_bytes:
-            not_kept(body["id"], len(value), self._item_bytes, "TURBOSPARK_RESPONSES_STORE_ITEM_BYTES")
+            # NOTE(circle): the memory store's message, written here: response_store imports this module
+            log.info("response %s not stored: %d bytes of JSON with its conversation "
+                     "(TURBOSPARK_RESPONSES_STORE_ITEM_BYTES is %d)", body["id"], len(value), self._item_bytes)
             return
         self._call(self._redis.set, self._key(owner, body["id"]), value, px=self._ttl_ms or None)
 
