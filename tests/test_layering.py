@@ -103,7 +103,7 @@ def test_the_package_import_is_light():
     """The service layer loads without falcon, cupy, tokenizers or jinja2 (CLI and tools stay quick)."""
     import subprocess
     import sys
-    code = ("import sys, turbospark_wsgi, turbospark_wsgi.config, turbospark_wsgi.service;"
+    code = ("import sys, turbospark_wsgi, turbospark_wsgi.config, turbospark_wsgi.serving.service;"
             "print(sorted(m for m in ('falcon', 'cupy', 'tokenizers', 'jinja2') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

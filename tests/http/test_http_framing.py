@@ -195,7 +195,7 @@ def test_a_newline_in_the_path_is_one_escaped_access_line(client, caplog):
 # ---- what the workers buffer before a thread sees the request (framing.py, h11) -------------------
 
 def framed(data, max_body=1 << 20):
-    from turbospark_wsgi.framing import Framing
+    from turbospark_wsgi.http.framing import Framing
     framing = Framing(max_head=65536, max_body=max_body)
     return framing, framing.feed(bytearray(data))
 
@@ -227,7 +227,7 @@ def test_the_workers_find_where_a_request_ends(data, state, end):
     assert (got, framing.end) == (state, end)
     if data.startswith(b"GET / HTTP/1.1\nHost"):
         assert framing.head is None
-    from turbospark_wsgi.framing import Framing
+    from turbospark_wsgi.http.framing import Framing
     bytewise, buf = Framing(max_head=65536, max_body=1 << 20), bytearray()
     for byte in data:                       # byte by byte: the same answer at the same byte
         buf.append(byte)
@@ -263,7 +263,7 @@ DATA = b'{"prompt": "hi"}'     # 16 bytes
     (b"1\r\na\r\n" * 5000 + b"0\r\n\r\n", "server", 4096),          # many tiny chunks: a thread reads on
 ])
 def test_the_workers_follow_a_chunked_body(body, state, size):
-    from turbospark_wsgi.framing import Framing
+    from turbospark_wsgi.http.framing import Framing
     head = b"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
     framing, got = framed(head + body)
     assert (got, framing.size) == (state, size)
