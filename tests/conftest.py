@@ -15,8 +15,8 @@ import pytest
 
 from turbospark_wsgi.config import Config
 from turbospark_wsgi.engine import Finish, Prefill, Scores, Token
-from turbospark_wsgi.registry import Registry
-from turbospark_wsgi.service import Service
+from turbospark_wsgi.serving.registry import Registry
+from turbospark_wsgi.serving.service import Service
 
 BOS, EOS, OFFSET = 1, 2, 3          # token id = byte + OFFSET
 
@@ -178,7 +178,7 @@ class Harness:
         return self.engine(name)
 
     def app(self):
-        from turbospark_wsgi.app import create_app
+        from turbospark_wsgi.http.app import create_app
         return create_app(self.config, service=self.service)
 
     def client(self):

@@ -189,7 +189,7 @@ def test_clients_and_servers_flags(bench_http):
     assert bench_http.parse_args([]).clients == [1, 8, 16]
     args = bench_http.parse_args(["--clients", "32,1,8,16,8", "--servers", "turbospark,llama-server"])
     assert args.clients == [1, 8, 16, 32] and args.servers == ["turbospark", "llama-server"]
-    assert args.llama_server == "/opt/llama.cpp/bin/llama-server"
+    assert args.llama_server == str(TOOLS.parent / "build" / "llama.cpp" / "bin" / "llama-server")     # the build script's
     with pytest.raises(SystemExit):
         bench_http.parse_args(["--servers", "vllm"])
     with pytest.raises(SystemExit):

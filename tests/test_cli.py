@@ -164,7 +164,7 @@ def test_readme_documents_every_config_variable_and_serve_flag():
 def test_readme_lists_every_route():
     import ast
 
-    tree = ast.parse((REPO / "turbospark_wsgi" / "app.py").read_text())
+    tree = ast.parse((REPO / "turbospark_wsgi" / "http" / "app.py").read_text())
     routes = [node.args[0].value for node in ast.walk(tree)
               if isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "add_route"
               and isinstance(node.args[0], ast.Constant)]

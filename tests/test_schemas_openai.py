@@ -4,8 +4,8 @@ import math
 import pytest
 
 from turbospark_wsgi.errors import InvalidRequest
-from turbospark_wsgi.schemas import openai
-from turbospark_wsgi.generation import Finished, KeepAlive, TextDelta, Usage
+from turbospark_wsgi.http.schemas import openai
+from turbospark_wsgi.serving.generation import Finished, KeepAlive, TextDelta, Usage
 
 
 def parse(**body):

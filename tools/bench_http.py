@@ -33,6 +33,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 from dataclasses import dataclass
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -44,6 +45,9 @@ from bench_http_servers import CpuMeter, EngineWorker, LlamaCppPythonServer, Lla
 from turbospark_wsgi.pull import default_model_path  # noqa: E402
 
 DEFAULT_MODEL = str(default_model_path())
+# NOTE(anchor): where tools/build_llama_server.sh puts llama.cpp (--prefix, or TURBOSPARK_LLAMA_PREFIX)
+LLAMA_PREFIX = Path(os.environ.get("TURBOSPARK_LLAMA_PREFIX")
+                    or Path(__file__).resolve().parent.parent / "build" / "llama.cpp")
 SERVER_NAMES = (OURS, ANCHOR, LlamaCppPythonServer.name)
 
 
@@ -51,9 +55,11 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--repeats", type=int, default=3, help="rounds")
-    p.add_argument("--llama-server", default="/opt/llama.cpp/bin/llama-server", help="llama.cpp's C++ server")
+    p.add_argument("--llama-server", default=str(LLAMA_PREFIX / "bin" / "llama-server"),
+                   help="llama.cpp's C++ server (default: tools/build_llama_server.sh's)")
     p.add_argument("--llama-ctx", type=int, default=16384, help="llama-server -c (shared by its -np slots)")
-    p.add_argument("--llama-python", default="/opt/llamacpp-venv/bin/python")
+    p.add_argument("--llama-python", default=str(LLAMA_PREFIX / "venv" / "bin" / "python"),
+                   help="python with llama_cpp.server (tools/build_llama_server.sh --with-python)")
     p.add_argument("--python", default=sys.executable, help="python that runs this server's gunicorn")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="compute threads of each server")
     p.add_argument("--blas-threads", type=int, default=0,
@@ -115,7 +121,7 @@ def servers_to_run(args):
             servers.append(LlamaServer(args))
         else:
             log(f"{args.llama_server} is not an executable: llama-server skipped "
-                "(../shared/tools/build-llama-server.sh builds it)")
+                "(tools/build_llama_server.sh builds it)")
     if LlamaCppPythonServer.name in args.servers:
         if llama_python_available(args.llama_python):
             servers.append(LlamaCppPythonServer(args))

@@ -123,7 +123,7 @@ def cmd_pull(args):
 
 def cmd_models(args):
     from .engine.loader import weight_storage
-    from .registry import is_embedding_model, model_capabilities
+    from .serving.registry import is_embedding_model, model_capabilities
 
     rows = installed_models(models_dir(args))
     if not rows:
@@ -144,7 +144,7 @@ def _kernels():
 
 
 def _registry(directory, model=DEFAULT_MODEL):
-    from .registry import Registry
+    from .serving.registry import Registry
 
     return Registry(Config(models_dir=str(directory), model=model, load_default=False))
 

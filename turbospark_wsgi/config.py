@@ -5,8 +5,8 @@ import re
 import socket
 from dataclasses import dataclass, field, fields
 
-from .compute import DEFAULT_NICE
 from .engine.options import ACTIVATIONS, DEVICES, INT8_PATHS, WEIGHTS, EngineOptions
+from .serving.compute import DEFAULT_NICE
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 WORKER_CLASSES = ("gthread", "gevent")

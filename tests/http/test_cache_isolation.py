@@ -8,7 +8,7 @@ import pytest
 
 from test_limits import KEYS, auth
 from turbospark_wsgi.config import Config, ConfigError
-from turbospark_wsgi.middleware import caller_of
+from turbospark_wsgi.http.middleware import caller_of
 
 MODEL = Path(os.environ.get("TURBOSPARK_TEST_MODELS", "/work/shared/models")) / "stories260K.gguf"
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
@@ -65,7 +65,7 @@ def stories_app(tmp_path_factory):
     if not MODEL.is_file():
         pytest.skip(f"{MODEL} not present")
     import webtest
-    from turbospark_wsgi.app import create_app
+    from turbospark_wsgi.http.app import create_app
     models = tmp_path_factory.mktemp("models")
     (models / "stories.gguf").symlink_to(MODEL)
     config = Config(models_dir=str(models), model="stories", device="cpu", load_default=False, keepalive=0.5,

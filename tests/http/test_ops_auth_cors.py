@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from turbospark_wsgi import middleware
+from turbospark_wsgi.http import middleware
 from turbospark_wsgi.config import Config, ConfigError
-from turbospark_wsgi.middleware import _digest, key_matches
+from turbospark_wsgi.http.middleware import _digest, key_matches
 
 KEYS = ("sk-alpha-0123456789", "sk-beta-9876543210")
 

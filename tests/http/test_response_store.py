@@ -9,11 +9,11 @@ import pytest
 
 from test_limits import KEYS, auth
 from turbospark_wsgi.config import Config, ConfigError
-from turbospark_wsgi.middleware import caller_of
-from turbospark_wsgi.response_store import MemoryResponseStore, open_store
+from turbospark_wsgi.http.middleware import caller_of
+from turbospark_wsgi.serving.response_store import MemoryResponseStore, open_store
 
 redis = pytest.importorskip("redis")
-response_store_redis = pytest.importorskip("turbospark_wsgi.response_store_redis")
+response_store_redis = pytest.importorskip("turbospark_wsgi.serving.response_store_redis")
 RedisResponseStore = response_store_redis.RedisResponseStore
 
 

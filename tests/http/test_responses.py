@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from turbospark_wsgi.response_store import MemoryResponseStore as ResponseStore
+from turbospark_wsgi.serving.response_store import MemoryResponseStore as ResponseStore
 
 openai_types = pytest.importorskip("openai.types.responses")
 pydantic = pytest.importorskip("pydantic")
