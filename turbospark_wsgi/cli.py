@@ -133,7 +133,8 @@ def cmd_models(args):
         print(f"{model_id}\t{size / 2**20:.1f} MiB\t{path}\t{','.join(model_capabilities(kind))}\t"
               f"{weight_storage(str(path))}")
     if rows:
-        print(f"CPU kernels (TURBOSPARK_ACTIVATIONS, TURBOSPARK_INT8_ISA): {_kernels()}")
+        # on stderr: stdout stays one tab-separated row per model, for scripts
+        print(f"CPU kernels (TURBOSPARK_ACTIVATIONS, TURBOSPARK_INT8_ISA): {_kernels()}", file=sys.stderr)
 
 
 def _kernels():
