@@ -114,7 +114,7 @@ TOOL_FAMILIES = ("qwen", "llama3", "mistral")
 def engine_for(tok):
     loaded = SimpleNamespace(model=None, kind="gguf", metadata={},
                              config=SimpleNamespace(max_seq_len=4096, vocab_size=tok.vocab_size, arch="llama"),
-                             path="test.gguf", backend="numpy", backend_reason="test")
+                             path="test.gguf", backend="numpy", backend_reason="test", kernels="")
     return Engine(loaded, tok)
 
 
