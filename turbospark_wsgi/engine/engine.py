@@ -9,6 +9,7 @@ from .constraints import ConstraintCompiler, ThinkingBudget
 from .encoder import normalize
 from .events import Finish
 from .scheduler import Scheduler
+from .speculative import ROW_COST, SpeculativeOptions
 from .loader import load_model
 from .options import EngineOptions, resolve
 from .tokenizer import Tokenizer
@@ -57,8 +58,10 @@ class Engine:
         self._constraints = ConstraintCompiler(tokenizer, self.config.vocab_size)
         self.max_batch = options.max_batch
         self.pooling = _pooling(loaded)
+        speculative = SpeculativeOptions(options.speculative, options.speculative_tokens,
+                                         row_cost=ROW_COST.get(self.backend, ROW_COST["numpy"]))
         self.scheduler = Scheduler(self.model, tokenizer, max_batch=self.max_batch, max_paused=options.max_paused,
-                                   max_context=self.max_context, chunk=self.prefill_chunk)
+                                   max_context=self.max_context, chunk=self.prefill_chunk, speculative=speculative)
 
     @property
     def add_bos(self):

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 DEVICES = ("auto", "cpu", "cuda")
 WEIGHTS = ("auto", "quant", "fp32")
 ACTIVATIONS = ("int8", "float32")
+SPECULATIVE = ("auto", "on", "off")
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,12 +28,19 @@ class EngineOptions:
     encoder_threads: int = 1        # BLAS threads of an embedding encoder's products (encoder.py)
     int8_vnni: bool = True          # AVX-512 VNNI integer dots where the CPU has them (kernels_q8)
     fused_layers: bool = True       # int8 on the CPU: each layer one kernel call (kernels_layer); off: step by step
+    # speculative decoding (speculative.py): auto, where proposals pay; on: whenever there are some; off
+    speculative: str = "auto"
+    speculative_tokens: int = 8     # tokens proposed per sequence and step, at most
 
     def __post_init__(self):       # the device is checked where it is chosen (backend.select_backend)
         if self.weights not in WEIGHTS:
             raise ValueError(f"weights must be auto, quant or fp32, not {self.weights!r}")
         if self.activations not in (None, *ACTIVATIONS):
             raise ValueError(f"activations must be int8 or float32, not {self.activations!r}")
+        if self.speculative not in SPECULATIVE:
+            raise ValueError(f"speculative must be auto, on or off, not {self.speculative!r}")
+        if self.speculative_tokens < 0:
+            raise ValueError(f"speculative_tokens must be >= 0, not {self.speculative_tokens!r}")
         if self.encoder_threads < 1:
             raise ValueError(f"encoder_threads must be >= 1, not {self.encoder_threads!r}")
 
