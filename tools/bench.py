@@ -1,11 +1,17 @@
 """Engine throughput: prefill tok/s on a 512-token prompt and single-stream decode tok/s.
 
     python tools/bench.py [--model PATH] [--repeats 3] [--device auto|cpu|cuda] [--threads N] [--temperature T]
+    python tools/bench.py --speculative [--model PATH] [--repeats 3] [--max-tokens 400]
     python tools/bench.py --vs-llama-cpp [--model GGUF] [--repeats 3] [--clients 1,8,16,32]
         [--llama-server PATH] [--llama-python PY] [--fresh-numba-cache] [--temperature T] [--json]
 
 Decode is greedy unless --temperature is given; then each token is drawn by the server's sampler
 at that temperature (its other fields off, the OpenAI defaults).
+
+--speculative times one stream's decode (first token to last, through the engine's scheduler) on
+two chat workloads, a ~300-token function rewritten with one change and a free-form story, with
+speculative decoding off, auto (the default) and on, in rotating order, and checks that all three
+give the same tokens.
 
 --vs-llama-cpp runs the HTTP benchmark of tools/bench_http.py instead: this server against
 llama.cpp's C++ `llama-server` and llama-cpp-python's server, all up at once and measured in
@@ -29,6 +35,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from turbospark_wsgi.config import Config  # noqa: E402
+from turbospark_wsgi.engine import Finish, Token, load_engine  # noqa: E402
 from turbospark_wsgi.engine.loader import load_model  # noqa: E402
 from turbospark_wsgi.engine.sampling import Sampler, SamplingParams  # noqa: E402
 from turbospark_wsgi.pull import default_model_path  # noqa: E402
@@ -45,6 +52,9 @@ def parse_args(argv=None):
     p.add_argument("--decode-steps", type=int, default=128)
     p.add_argument("--threads", type=int, default=0, help="BLAS threads (0: library default)")
     p.add_argument("--temperature", type=float, default=0.0, help="of the decode (0: greedy)")
+    p.add_argument("--speculative", action="store_true",
+                   help="speculative decoding off / auto / on on an editing and a story workload")
+    p.add_argument("--max-tokens", type=int, default=400, help="of each --speculative run")
     p.add_argument("--vs-llama-cpp", action="store_true",
                    help="HTTP benchmark against llama.cpp's servers (tools/bench_http.py)")
     return p.parse_args(argv)
@@ -103,6 +113,82 @@ def run_engine_bench(args):
     return {"prefill": prefill, "decode": decode}
 
 
+EDIT_SOURCE = '''def summarize_orders(orders, currency="EUR", min_total=0.0):
+    """Totals per customer of the orders in one currency, largest first."""
+    totals = {}
+    counts = {}
+    for order in orders:
+        if order.get("currency", "EUR") != currency:
+            continue
+        customer = order["customer"].strip().lower()
+        amount = 0.0
+        for item in order.get("items", []):
+            price = float(item["price"])
+            quantity = int(item.get("quantity", 1))
+            if quantity <= 0:
+                raise ValueError(f"bad quantity in order {order['id']}")
+            amount += price * quantity
+        discount = order.get("discount", 0.0)
+        if discount:
+            amount = amount * (1.0 - discount)
+        totals[customer] = totals.get(customer, 0.0) + amount
+        counts[customer] = counts.get(customer, 0) + 1
+    rows = []
+    for customer, total in totals.items():
+        if total < min_total:
+            continue
+        rows.append({"customer": customer, "total": round(total, 2), "orders": counts[customer]})
+    rows.sort(key=lambda row: row["total"], reverse=True)
+    return rows
+'''
+STORY = "Write a long story about a dragon who learns to cook soup for the village."
+WORKLOADS = {   # name: (request, temperature)
+    "editing": ("Here is a Python function:\n\n```python\n" + EDIT_SOURCE + "```\n\nRewrite the whole function "
+                "with one change: rename the variable `totals` to `sums`. Reply with the code only.", 0.0),
+    "story": (STORY, 0.0),
+    "story, sampled (temperature 0.8, seed 1)": (STORY, 0.8),
+}
+
+
+def run_speculative_bench(args):
+    """Single-stream decode tok/s of each workload with speculation off, auto and on (rotating)."""
+    from turbospark_wsgi.engine import SamplingParams as Params
+    options = Config.from_env().engine_options()
+    engines = {mode: load_engine(args.model, options, device=args.device, speculative=mode)
+               for mode in ("off", "auto", "on")}
+    print(f"model {args.model}; backend {engines['off'].backend}; load average {os.getloadavg()[0]:.2f}")
+    results = {}
+    for name, (text, temperature) in WORKLOADS.items():
+        ids = engines["off"].apply_chat_template([{"role": "user", "content": text}])
+        params = Params(temperature=temperature, seed=1, max_new_tokens=args.max_tokens)
+        for engine in engines.values():
+            engine.scheduler.slots.clear()
+            list(engine.generate(ids, Params(temperature=0, max_new_tokens=2)))     # warm: prompt cached
+        rates, tokens, ends = {m: [] for m in engines}, {}, {}
+        for r in range(args.repeats):
+            for mode in list(engines)[r % 3:] + list(engines)[:r % 3]:
+                first, out = None, []
+                for event in engines[mode].generate(ids, params):
+                    if isinstance(event, Token):
+                        first = first or time.perf_counter()
+                        out.append(event.id)
+                    elif isinstance(event, Finish):
+                        ends[mode] = event
+                rates[mode].append((len(out) - 1) / (time.perf_counter() - first))
+                tokens.setdefault(mode, out)
+                assert out == tokens[mode], "a run gave other tokens than the one before"
+        same = tokens["off"] == tokens["auto"] == tokens["on"]
+        print(f"{name}: prompt {len(ids)} tokens, {len(tokens['off'])} generated; same tokens in all modes: {same}")
+        base = statistics.median(rates["off"])
+        for mode in engines:
+            end = ends[mode]
+            kept = f"{end.accepted_tokens}/{end.proposed_tokens} proposed tokens kept" if end.proposed_tokens else ""
+            print(f"  {mode:>4}: {summary(rates[mode])}  {statistics.median(rates[mode]) / base:4.2f}x  {kept}")
+        results[name] = rates
+    print(f"load average {os.getloadavg()[0]:.2f}")
+    return results
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     if "--vs-llama-cpp" in argv:
@@ -112,7 +198,7 @@ def main(argv=None):
         return bench_http.main([a for a in argv if a != "--vs-llama-cpp"])
     args = parse_args(argv)
     with blas_threads(args.threads):
-        run_engine_bench(args)
+        (run_speculative_bench if args.speculative else run_engine_bench)(args)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,8 @@ class Config:
     WEIGHTS (auto|quant|fp32), ACTIVATIONS (int8|float32), GEMV_MAX_B and SINGLE_ROW_THREADS (CPU
     kernel tuning), INT8_VNNI (1 or 0), FUSED_LAYERS (1 or 0: each layer one CPU kernel call, or the
     step-by-step path), SPECULATIVE (auto|on|off: speculative decoding by prompt lookup, auto where it
-    pays), SPECULATIVE_TOKENS (tokens proposed per sequence and step), ENCODER_THREADS (BLAS threads of an embedding encoder),
+    pays), SPECULATIVE_TOKENS (tokens proposed per sequence and step), DRAFT_MODEL (an installed model
+    of the same tokenizer that proposes instead of prompt lookup), ENCODER_THREADS (BLAS threads of an embedding encoder),
     COMPUTE_NICE (nice increment of the compute thread, 0 = unchanged), FRONT_DOOR (1 or 0: the
     compute thread gives way between layers while the request loop answers a burst),
     MAX_WAITING (queued requests before 503), QUEUE_TIMEOUT (s, 0 = wait forever),
@@ -61,6 +62,7 @@ class Config:
     fused_layers: bool = _ENGINE.fused_layers
     speculative: str = _ENGINE.speculative
     speculative_tokens: int = _ENGINE.speculative_tokens
+    draft_model: str = ""           # id, alias or path of a model with the same tokenizer (resolved by the registry)
     compute_nice: int = DEFAULT_NICE
     front_door: bool = True
     max_waiting: int = 16

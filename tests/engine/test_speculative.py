@@ -252,3 +252,57 @@ def test_request_switch_off_proposes_nothing(request, tiny_gguf):
     on = run(spec, prompt, params)
     off = run(spec, prompt, dataclasses.replace(params, speculative=False))
     assert on[0] == off[0] and on[1].proposed_tokens > 0 and off[1].proposed_tokens == 0
+
+
+# ---- a draft model ---------------------------------------------------------------------------
+
+@pytest.fixture(params=["same", "other"])
+def drafted(request, tiny_gguf):
+    """(plain engine, engine whose draft is the model itself or another model of the same tokenizer)."""
+    target = tiny_gguf(qtype="Q8_0").path
+    draft = target if request.param == "same" else tiny_gguf(qtype="Q8_0", seed=1, hidden_size=32, num_hidden_layers=1).path
+    plain = load_engine(target, device="cpu", max_batch=4, max_paused=4, prefill_chunk=8, speculative="off")
+    spec = load_engine(target, device="cpu", max_batch=4, max_paused=4, prefill_chunk=8, speculative="on",
+                       draft_model=str(draft))
+    return plain, spec, request.param
+
+
+def test_draft_greedy_and_seeded_runs_equal_plain_solo_and_batched(drafted):
+    plain, spec, kind = drafted
+    prompts = prompts_for(plain, 6)
+    for params in (SamplingParams(temperature=0, max_new_tokens=30, logprobs=1, ignore_eos=True),
+                   SamplingParams(temperature=0.8, top_k=30, seed=5, max_new_tokens=30, ignore_eos=True)):
+        proposed = accepted = 0
+        for prompt in prompts:
+            want, want_end = run(plain, prompt, params)
+            got, end = run(spec, prompt, params)
+            assert got == want and finish_key(end) == finish_key(want_end)
+            proposed, accepted = proposed + end.proposed_tokens, accepted + end.accepted_tokens
+        assert proposed > 0
+        if kind == "same" and params.temperature == 0:
+            assert accepted == proposed         # a model agrees with itself
+        many = [dataclasses.replace(params, seed=None if params.seed is None else params.seed + i)
+                for i in range(len(prompts))]
+        assert together(spec, prompts, many)[0] == [run(plain, p, q)[0] for p, q in zip(prompts, many)]
+
+
+def test_a_draft_with_another_tokenizer_is_refused(request, tiny_gguf):
+    stories = request.getfixturevalue("stories_gguf")
+    with pytest.raises(ValueError, match="tokenizer"):
+        load_engine(tiny_gguf(qtype="Q8_0").path, device="cpu", draft_model=str(stories))
+
+
+def test_the_server_setting_gives_every_generation_model_its_draft(tiny_gguf, tmp_path):
+    from turbospark_wsgi.config import Config
+    from turbospark_wsgi.errors import ModelLoadError
+    from turbospark_wsgi.registry import Registry
+    tiny_gguf(qtype="Q8_0", name="target.gguf")
+    tiny_gguf(qtype="Q8_0", seed=1, num_hidden_layers=1, name="small.gguf")
+    config = Config(models_dir=str(tmp_path), model="target", device="cpu", load_default=False, draft_model="small")
+    registry = Registry(config)
+    assert registry.resolve("target").draft is not None
+    assert registry.resolve("small").draft is None           # the draft itself runs without one
+    missing = Registry(Config(models_dir=str(tmp_path), model="target", device="cpu", load_default=False,
+                              draft_model="nothing-here"))
+    with pytest.raises(ModelLoadError, match="TURBOSPARK_DRAFT_MODEL"):
+        missing.resolve("target")

@@ -31,6 +31,7 @@ class EngineOptions:
     # speculative decoding (speculative.py): auto, where proposals pay; on: whenever there are some; off
     speculative: str = "auto"
     speculative_tokens: int = 8     # tokens proposed per sequence and step, at most
+    draft_model: str = ""           # a model of the same tokenizer proposes instead of prompt lookup (path)
 
     def __post_init__(self):       # the device is checked where it is chosen (backend.select_backend)
         if self.weights not in WEIGHTS:

@@ -43,8 +43,9 @@ class Sequence:
         self.error = None
         self.client = ""        # whose run: the batch is shared fairly between clients
         # speculative decoding: events of kept proposals not yet polled, as [(events, completion
-        # before them)]; the prompt-lookup index (built at the first proposal); tokens counted
+        # before them)]; the prompt-lookup index (built at the first proposal); recent acceptance
         self.ahead, self.lookup, self.acceptance = [], None, Acceptance()
+        self.draft = None           # draft.Draft's (KV cache, ids) for this sequence
         self.proposed = self.accepted = 0
 
     @property
@@ -79,18 +80,25 @@ class Sequence:
             return self._end(FinishReason.LENGTH)
         self.pending = token
 
+    def room(self, limit):
+        """How many tokens may be proposed: at most `limit`, none past the token budget or the context."""
+        return max(0, min(limit, self.params.max_new_tokens - self.completion - 1,
+                          self.max_context - 1 - len(self.slot.ids)))
+
     def proposal(self, options, limit):
-        """Up to `limit` tokens that prompt lookup proposes to follow the pending one: none past the
-        token budget or the context, none from an end token on, and none the grammar forbids."""
-        room = min(limit, self.params.max_new_tokens - self.completion - 1, self.max_context - 1 - len(self.slot.ids))
-        if room <= 0:
+        """Up to `limit` tokens prompt lookup proposes to follow the pending one (see `trim`)."""
+        room = self.room(limit)
+        if not room:
             return []
         if self.lookup is None:
             self.lookup = PromptLookup(self.slot.ids, options.min_ngram, options.max_ngram)
         for token in self.slot.ids[len(self.lookup.tokens):]:     # the tokens decoded since
             self.lookup.append(token)
         self.lookup.append(self.pending)
-        tokens = self.lookup.propose(room)
+        return self.trim(self.lookup.propose(room))
+
+    def trim(self, tokens):
+        """A proposal cut before its first end token and where the grammar stops allowing it."""
         end = next((i for i, t in enumerate(tokens) if t in self.end_ids), len(tokens))
         valid = getattr(self.params.constraint, "valid_prefix", None)
         return tokens[:end] if valid is None or not end else tokens[:valid(tokens[:end])]
@@ -163,9 +171,11 @@ class Scheduler:
     each in its own slot; slots keep their K/V afterwards so a new prompt goes to the free slot
     holding its longest reusable prefix."""
 
-    def __init__(self, model, tokenizer, *, max_batch, max_context, chunk, max_paused=0, speculative=None):
+    def __init__(self, model, tokenizer, *, max_batch, max_context, chunk, max_paused=0, speculative=None,
+                 draft=None):
         self.model, self.tokenizer = model, tokenizer
         self.speculative = speculative or SpeculativeOptions()
+        self.draft = draft          # a draft.Draft proposes instead of prompt lookup
         self.max_batch, self.max_context, self.chunk = max_batch, max_context, chunk
         self.max_slots = max_batch + max_paused
         self.slots, self.active = [], []
@@ -303,13 +313,19 @@ class Scheduler:
 
     def _proposals(self, seqs):
         """The proposed tokens each sequence runs this step: those that pay (speculative.plan_rows),
-        the step's rows kept within ROW_LIMIT."""
+        the step's rows kept within ROW_LIMIT. Prompt lookup proposes first and the plan takes a
+        prefix; a draft model writes only the planned tokens."""
         opt = self.speculative
         if opt.mode == "off" or not opt.max_tokens:
             return [[] for _ in seqs]
-        found = [_guarded(s, s.proposal, opt, opt.max_tokens) if s.params.speculative else [] for s in seqs]
-        take = plan_rows([(s.acceptance.rate, len(p)) for s, p in zip(seqs, found)], len(seqs),
-                         0.0 if opt.mode == "on" else opt.row_cost)
+        cost = 0.0 if opt.mode == "on" else opt.row_cost + (self.draft.cost if self.draft else 0.0)
+        if self.draft is None:
+            found = [_guarded(s, s.proposal, opt, opt.max_tokens) if s.params.speculative else [] for s in seqs]
+            take = plan_rows([(s.acceptance.rate, len(p)) for s, p in zip(seqs, found)], len(seqs), cost)
+        else:
+            rooms = [s.room(opt.max_tokens) if s.params.speculative else 0 for s in seqs]
+            take = plan_rows([(s.acceptance.rate, n) for s, n in zip(seqs, rooms)], len(seqs), cost)
+            found = [_guarded(s, s.trim, p) for s, p in zip(seqs, self.draft.propose(seqs, take))]
         room = max(0, ROW_LIMIT - len(seqs))
         out = []
         for p, n in zip(found, take):

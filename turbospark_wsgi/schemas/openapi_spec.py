@@ -25,13 +25,17 @@ _SAMPLING = {
     "presence_penalty": {"type": "number", "minimum": -2, "maximum": 2},
     "frequency_penalty": {"type": "number", "minimum": -2, "maximum": 2},
     "repetition_penalty": _NUM, "seed": _INT, "stream": _BOOL,
+    "speculative": {"type": "boolean", "description": "false: no speculative decoding for this request "
+                                                      "(the output is the same either way)"},
     "stop": {"oneOf": [_STR, {"type": "array", "items": _STR}, {"type": "null"}]},
     "logit_bias": {"type": "object", "additionalProperties": _NUM},
     "stream_options": {"type": "object", "properties": {"include_usage": _BOOL}},
 }
 
 _USAGE = {"type": "object", "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
-          "properties": {"prompt_tokens": _INT, "completion_tokens": _INT, "total_tokens": _INT}}
+          "properties": {"prompt_tokens": _INT, "completion_tokens": _INT, "total_tokens": _INT,
+                         "completion_tokens_details": {"type": "object", "properties": {
+                             "accepted_prediction_tokens": _INT, "rejected_prediction_tokens": _INT}}}}
 _TRUNCATE = {"type": "integer", "minimum": -1, "not": {"const": 0},
              "description": "keep the last N tokens of each prompt or input (-1: the model's limit; vLLM's)"}
 
