@@ -129,7 +129,7 @@ class Sequence:
     def fail(self, error):
         """Ends this sequence with `error` (raised to its reader by Scheduler.poll). Its cache may
         hold a half-run step: the caller forgets it."""
-        self.error, self.state, self.pending = error, _DONE, None
+        self.error, self.state, self.pending, self.ahead = error, _DONE, None, []
 
     def _end(self, reason):
         # held-back text goes out at the end, unless the flushed bytes complete a stop string

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 # PERF(speculative): measured cost of one more row of a decode step, as a fraction of a one-row step
 # (SmolLM2-135M Q4_1, int8 fused layers, 2 cores: 1 row 14.6 ms, 4 rows 29.3 ms: 0.33 a row;
-# kernels_layer: B = 8 rows of 8 sequences 3.0x one row). CuPy: rows are nearly free.
+# kernels_layer: B = 8 rows of 8 sequences 3.0x one row). CuPy: assumed nearly free, not yet measured.
 ROW_COST = {"numpy": 0.3, "cupy": 0.05}
 
 
