@@ -28,8 +28,8 @@ wsgi_app = "turbospark_wsgi.wsgi:app"
 bind = f"{_config.host}:{_config.port}"
 # NOTE(slow-clients): gthread and gevent with request heads (and gthread with bodies) buffered off
 # the worker threads and under deadlines: TURBOSPARK_HEADER_TIMEOUT / TURBOSPARK_BODY_TIMEOUT.
-worker_class = {"gthread": "turbospark_wsgi.workers.ThreadWorker",
-                "gevent": "turbospark_wsgi.workers.GeventWorker"}[_config.worker_class]
+worker_class = {"gthread": "turbospark_wsgi.http.workers.ThreadWorker",
+                "gevent": "turbospark_wsgi.http.workers.GeventWorker"}[_config.worker_class]
 workers = 1                                  # one engine, one compute thread and one FIFO per process
 threads = _config.threads                    # config.worker_threads: every open stream holds one
 worker_connections = max(1000, threads)      # open connections per worker: a slow one costs a socket
@@ -95,7 +95,7 @@ def post_worker_init(worker):
     signal.siginterrupt(signal.SIGHUP, False)
 
     def on_term(signum, frame):
-        from turbospark_wsgi.queue import shut_down_all
+        from turbospark_wsgi.serving.queue import shut_down_all
 
         # NOTE(signals): the queue's lock is taken on a fresh thread, never inside the handler, which
         # may have interrupted a holder of that lock. Under gevent the handler runs in a hub callback,
@@ -108,14 +108,14 @@ def post_worker_init(worker):
 
 
 def _reload_limits():
-    from turbospark_wsgi.limits import reload_all
+    from turbospark_wsgi.serving.limits import reload_all
 
     reload_all()
 
 
 def _off_handler(fn):
     """Runs `fn` outside the signal handler, which may have interrupted a holder of a lock it needs."""
-    from turbospark_wsgi.compute import gevent_patched
+    from turbospark_wsgi.serving.compute import gevent_patched
 
     if gevent_patched():
         import gevent

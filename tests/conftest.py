@@ -15,8 +15,8 @@ import pytest
 
 from turbospark_wsgi.config import Config
 from turbospark_wsgi.engine import Finish, Prefill, Scores, Token
-from turbospark_wsgi.registry import Registry
-from turbospark_wsgi.service import Service
+from turbospark_wsgi.serving.registry import Registry
+from turbospark_wsgi.serving.service import Service
 
 BOS, EOS, OFFSET = 1, 2, 3          # token id = byte + OFFSET
 
@@ -93,7 +93,7 @@ class FakeEngine:
         """No constraint: the fake's reply is fixed (the real budget is tested on the engine)."""
         return None
 
-    def score(self, prompt_ids, top=0, should_stop=None, client=""):
+    def score(self, prompt_ids, top=0, should_stop=None, client="", cache_salt=""):
         if not prompt_ids or len(prompt_ids) + 1 > self.max_context:
             raise ValueError("bad prompt length")
         lp, n = -math.log(self.config.vocab_size), len(prompt_ids)
@@ -106,10 +106,10 @@ class FakeEngine:
         yield Scores([(lp, [(t, lp) for t in range(min(top, self.config.vocab_size))])] * (n - 1))
         yield Finish("length", prompt_tokens=n)
 
-    def generate(self, prompt_ids, params, should_stop=None, client=""):
+    def generate(self, prompt_ids, params, should_stop=None, client="", cache_salt=""):
         if not prompt_ids or len(prompt_ids) + 1 > self.max_context:
             raise ValueError("bad prompt length")
-        self.runs.append(SimpleNamespace(ids=list(prompt_ids), params=params, client=client,
+        self.runs.append(SimpleNamespace(ids=list(prompt_ids), params=params, client=client, cache_salt=cache_salt,
                                          thread=threading.current_thread()))
         return self._run(list(prompt_ids), params, should_stop or (lambda: False))
 
@@ -178,7 +178,7 @@ class Harness:
         return self.engine(name)
 
     def app(self):
-        from turbospark_wsgi.app import create_app
+        from turbospark_wsgi.http.app import create_app
         return create_app(self.config, service=self.service)
 
     def client(self):
@@ -213,30 +213,69 @@ def client(harness):
     return harness.client()
 
 
-@pytest.fixture(scope="session")
-def redis_url(tmp_path_factory):
-    """A real redis-server on loopback for the session (skips without one: .ci/run installs it)."""
-    redis = pytest.importorskip("redis")
-    binary = shutil.which("redis-server")
-    if binary is None:
-        pytest.skip("redis-server absent")
+class RedisServer:
+    """A real redis-server on loopback, in memory only or as config file `conf` says (its port,
+    address and directory replaced); stop() and start() again keep its port."""
+
+    def __init__(self, workdir, port=None, conf=None):
+        self.binary = shutil.which("redis-server")
+        self.dir = workdir
+        self.port = port or _free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.conf = conf
+        self.proc = None
+
+    def start(self, timeout=10.0):
+        """Starts it and waits for PING; False when it did not come up."""
+        import redis
+        first = [str(self.conf)] if self.conf else ["--save", "", "--appendonly", "no"]
+        self.proc = subprocess.Popen([self.binary, *first, "--port", str(self.port), "--bind", "127.0.0.1",
+                                      "--dir", str(self.dir)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        client, deadline = redis.Redis.from_url(self.url), time.monotonic() + timeout
+        while True:
+            try:
+                client.ping()
+                return True
+            except redis.RedisError:
+                if time.monotonic() > deadline or self.proc.poll() is not None:
+                    self.stop()
+                    return False
+                time.sleep(0.05)
+
+    def stop(self):
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(10)
+
+
+def _free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                             "--dir", str(tmp_path_factory.mktemp("redis"))],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"redis://127.0.0.1:{port}/0"
-    client, deadline = redis.Redis.from_url(url), time.monotonic() + 10
-    while True:
-        try:
-            client.ping()
-            break
-        except redis.RedisError:
-            if time.monotonic() > deadline or proc.poll() is not None:
-                proc.kill()
-                pytest.skip("redis-server did not start")
-            time.sleep(0.05)
-    yield url
-    proc.terminate()
-    proc.wait(10)
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def start_redis(tmp_path_factory):
+    """start_redis(conf=None) -> a started RedisServer of its own (skips without redis-server: .ci/run
+    installs it); every one is stopped at the end of the session."""
+    pytest.importorskip("redis")
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server absent")
+    started = []
+
+    def start(conf=None):
+        server = RedisServer(tmp_path_factory.mktemp("redis"), conf=conf)
+        started.append(server)
+        if not server.start():
+            pytest.skip("redis-server did not start")
+        return server
+
+    yield start
+    for server in started:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_url(start_redis):
+    """A real redis-server on loopback for the session (skips without one: .ci/run installs it)."""
+    return start_redis().url

@@ -189,7 +189,7 @@ def test_clients_and_servers_flags(bench_http):
     assert bench_http.parse_args([]).clients == [1, 8, 16]
     args = bench_http.parse_args(["--clients", "32,1,8,16,8", "--servers", "turbospark,llama-server"])
     assert args.clients == [1, 8, 16, 32] and args.servers == ["turbospark", "llama-server"]
-    assert args.llama_server == "/opt/llama.cpp/bin/llama-server"
+    assert args.llama_server == str(TOOLS.parent / "build" / "llama.cpp" / "bin" / "llama-server")     # the build script's
     with pytest.raises(SystemExit):
         bench_http.parse_args(["--servers", "vllm"])
     with pytest.raises(SystemExit):
@@ -216,7 +216,8 @@ def test_rotation_puts_every_server_first_once_over_as_many_rounds(bench_http):
 
 def test_llama_server_runs_with_our_batch_as_its_slots(tools):
     servers = tools[4]
-    args = SimpleNamespace(llama_server="/opt/ls", model="/m.gguf", threads=2, llama_ctx=16384, max_batch=8)
+    args = SimpleNamespace(llama_server="/opt/ls", model="/m.gguf", threads=2, llama_ctx=16384, max_batch=8,
+                           deep_context=0)
     server = servers.LlamaServer(args)
     assert server.command() == ["/opt/ls", "-m", "/m.gguf", "-t", "2", "-tb", "2", "-c", "16384", "-np", "8",
                                 "--host", "127.0.0.1", "--port", str(server.port)]

@@ -6,7 +6,7 @@ import time
 
 import webob
 
-from turbospark_wsgi.cancel import CancelToken, DisconnectWatcher, probe
+from turbospark_wsgi.serving.cancel import CancelToken, DisconnectWatcher, probe
 
 
 def test_token_first_reason_wins_and_callbacks_run_once():

@@ -92,7 +92,9 @@ def test_models_lists_gguf_files_and_hf_directories(capsys, tmp_path):
     (tmp_path / "hf" / "config.json").write_text("{}")
     (tmp_path / "notes.txt").write_text("ignored")
     assert cli.main(["models", "--models-dir", str(tmp_path)]) == 0
-    lines = [line.split("\t") for line in capsys.readouterr().out.splitlines()]
+    out = capsys.readouterr()
+    lines = [line.split("\t") for line in out.out.splitlines()]
+    assert "CPU kernels" in out.err and " activations" in out.err     # which kernels, and why
     assert [(row[0], row[2]) for row in lines] == [("a", str(tmp_path / "a.gguf")),
                                                    ("hf", str(tmp_path / "hf"))]
     assert lines[0][1] == "0.0 MiB"
@@ -164,7 +166,7 @@ def test_readme_documents_every_config_variable_and_serve_flag():
 def test_readme_lists_every_route():
     import ast
 
-    tree = ast.parse((REPO / "turbospark_wsgi" / "app.py").read_text())
+    tree = ast.parse((REPO / "turbospark_wsgi" / "http" / "app.py").read_text())
     routes = [node.args[0].value for node in ast.walk(tree)
               if isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "add_route"
               and isinstance(node.args[0], ast.Constant)]

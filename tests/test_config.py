@@ -39,11 +39,13 @@ def test_config_defaults_and_env():
     ({"TURBOSPARK_GEMV_MAX_B": "many"}, "TURBOSPARK_GEMV_MAX_B must be an integer"),
     ({"TURBOSPARK_SINGLE_ROW_THREADS": "-1"}, "TURBOSPARK_SINGLE_ROW_THREADS must be >= 0"),
     ({"TURBOSPARK_COMPUTE_NICE": "-5"}, "TURBOSPARK_COMPUTE_NICE must be >= 0"),
-    ({"TURBOSPARK_ACTIVATIONS": "int4"}, "TURBOSPARK_ACTIVATIONS must be one of int8, float32"),
+    ({"TURBOSPARK_ACTIVATIONS": "int4"}, "TURBOSPARK_ACTIVATIONS must be one of auto, int8, float32"),
     ({"TURBOSPARK_ENCODER_THREADS": "0"}, "TURBOSPARK_ENCODER_THREADS must be >= 1"),
     ({"TURBOSPARK_FRONT_DOOR": "maybe"}, "TURBOSPARK_FRONT_DOOR must be true or false"),
     ({"TURBOSPARK_FRONT_DOOR": "\ud800"}, "TURBOSPARK_FRONT_DOOR must be true or false"),
     ({"TURBOSPARK_FUSED_LAYERS": "2"}, "TURBOSPARK_FUSED_LAYERS must be true or false"),
+    ({"TURBOSPARK_INT8_ISA": "sse9"}, "TURBOSPARK_INT8_ISA must be one of auto, vnni512, avxvnni, avx2, neon"),
+    ({"TURBOSPARK_INT8_ISA": "\ud800"}, "TURBOSPARK_INT8_ISA must be one of"),
     ({"TURBOSPARK_SPECULATIVE": "ngram"}, "TURBOSPARK_SPECULATIVE must be one of auto, on, off"),
     ({"TURBOSPARK_SPECULATIVE_TOKENS": "-1"}, "TURBOSPARK_SPECULATIVE_TOKENS must be >= 0"),
     ({"TURBOSPARK_SPECULATIVE_TOKENS": "8.5"}, "TURBOSPARK_SPECULATIVE_TOKENS must be an integer"),
@@ -55,19 +57,20 @@ def test_config_errors_name_the_variable(env, words):
 
 
 def test_engine_settings_reach_the_engine_as_options():
-    # the server keeps paused slots and says which activations; an engine alone keeps the process's
-    assert Config().engine_options() == EngineOptions(max_paused=8, activations="int8")
+    # the server keeps paused slots; activations are auto (int8 where the CPU has integer dots)
+    assert Config().engine_options() == EngineOptions(max_paused=8, activations="auto")
     c = Config.from_env({"TURBOSPARK_DEVICE": "cpu", "TURBOSPARK_WEIGHTS": "FP32", "TURBOSPARK_GEMV_MAX_B": "64",
                          "TURBOSPARK_SINGLE_ROW_THREADS": "1", "TURBOSPARK_MAX_CONTEXT": "512",
                          "TURBOSPARK_PREFILL_CHUNK": "32", "TURBOSPARK_MAX_BATCH": "4", "TURBOSPARK_MAX_PAUSED": "0",
                          "TURBOSPARK_COMPUTE_NICE": "0", "TURBOSPARK_ACTIVATIONS": "Float32",
                          "TURBOSPARK_ENCODER_THREADS": "2", "TURBOSPARK_INT8_VNNI": "0",
-                         "TURBOSPARK_FUSED_LAYERS": "0", "TURBOSPARK_SPECULATIVE": "Off",
+                         "TURBOSPARK_FUSED_LAYERS": "0", "TURBOSPARK_INT8_ISA": "AVX2", "TURBOSPARK_SPECULATIVE": "Off",
                          "TURBOSPARK_SPECULATIVE_TOKENS": "3"})
     assert c.engine_options() == EngineOptions(device="cpu", weights="fp32", max_context=512, prefill_chunk=32,
                                                max_batch=4, max_paused=0, gemv_max_b=64, single_row_threads=1,
                                                activations="float32", encoder_threads=2, int8_vnni=False,
-                                               fused_layers=False, speculative="off", speculative_tokens=3)
+                                               int8_isa="avx2", fused_layers=False, speculative="off",
+                                               speculative_tokens=3)
     assert c.compute_nice == 0 and Config().compute_nice == 5
 
 

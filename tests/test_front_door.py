@@ -7,7 +7,7 @@ import textwrap
 
 import pytest
 
-from turbospark_wsgi import compute
+from turbospark_wsgi.serving import compute
 from turbospark_wsgi.engine import yielding
 
 HOLD, SHARE, SAVED = compute.FrontDoor.HOLD, compute.FrontDoor.SHARE, compute.FrontDoor.SAVED

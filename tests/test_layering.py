@@ -6,16 +6,20 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "turbospark_wsgi"
 
-# Layers, outermost first (a module imports only from its own layer or below).
+# Layers, outermost first (a module imports only from its own layer or below); a module belongs to
+# the layer of the longest dotted name here that starts its own.
 LAYERS = {
-    5: ("wsgi", "cli", "__main__", "workers"),
-    4: ("app", "middleware", "refusal", "resources"),
-    3: ("schemas", "sse", "parsers"),
-    2: ("service", "generation", "queue", "cancel", "errors", "config", "registry", "compute", "pull", "metrics",
-        "logsafe", "limits", "limits_redis"),
+    5: ("wsgi", "cli", "__main__", "http.workers", "http.framing"),
+    4: ("http.app", "http.middleware", "http.refusal", "http.resources"),
+    3: ("http.schemas", "http.sse", "http.parsers"),
+    2: ("serving", "errors", "config", "pull", "metrics", "logsafe"),
     1: ("engine",),
 }
-TOP_LEVEL = {"__init__"}        # turbospark_wsgi/__init__.py: __version__ only
+# The folders that name the rooms, and what each may hold: the HTTP edge (layers 3-5), the serving
+# core (2), the engine (1); the package root keeps the entries and the operations every room uses.
+ROOMS = {"http": {3, 4, 5}, "serving": {2}, "engine": {1}}
+ROOT = {"__init__", "__main__", "wsgi", "cli", "config", "errors", "metrics", "logsafe", "pull"}
+TOP_LEVEL = {"__init__", "http.__init__", "serving.__init__"}   # the package's and rooms' __init__: no imports
 
 
 def modules():
@@ -43,11 +47,12 @@ def top(name):
 
 
 def layer_of(name):
-    head = top(name)
+    best = None
     for layer, names in LAYERS.items():
-        if head in names:
-            return layer
-    return None
+        for prefix in names:
+            if (name == prefix or name.startswith(prefix + ".")) and (best is None or len(prefix) > len(best[1])):
+                best = (layer, prefix)
+    return best[0] if best else None
 
 
 ALL = list(modules())
@@ -85,14 +90,14 @@ def test_engine_and_resources_boundaries(name, path):
     if top(name) == "engine":
         stray = {i for i in inside if not i.startswith("turbospark_wsgi.engine")}
         assert not stray, f"{name} reaches outside engine/: {stray}"
-    if top(name) == "resources":
+    if name.startswith("http.resources"):
         assert not {i for i in inside if i.startswith("turbospark_wsgi.engine")}, f"{name} imports the engine"
     assert not any(top(i) == "tools" or i.startswith("tests") for i in imports(name, path)), name
 
 
 def test_schemas_name_only_sampling_params_from_the_engine():
     for name, path in ALL:
-        if top(name) not in ("schemas", "sse"):
+        if not name.startswith(("http.schemas", "http.sse")):
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and node.module and node.module.endswith("engine"):
@@ -103,7 +108,62 @@ def test_the_package_import_is_light():
     """The service layer loads without falcon, cupy, tokenizers or jinja2 (CLI and tools stay quick)."""
     import subprocess
     import sys
-    code = ("import sys, turbospark_wsgi, turbospark_wsgi.config, turbospark_wsgi.service;"
+    code = ("import sys, turbospark_wsgi, turbospark_wsgi.config, turbospark_wsgi.serving.service;"
             "print(sorted(m for m in ('falcon', 'cupy', 'tokenizers', 'jinja2') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+@pytest.mark.parametrize("name, path", ALL, ids=IDS)
+def test_each_module_lives_in_its_room(name, path):
+    """The folder a module stands in names its layer: the HTTP edge in http/, admission, queueing
+    and generation in serving/, the model in engine/, entries and operations at the root."""
+    room = name.split(".")[0]
+    if room in ROOMS:
+        assert name in TOP_LEVEL or layer_of(name) in ROOMS[room], f"{name}: layer {layer_of(name)} in {room}/"
+    else:
+        assert name in ROOT, f"{name}: the package root holds only {sorted(ROOT)}; put it in a room"
+
+
+def test_each_room_says_its_job():
+    """Every module opens with a docstring: the one job of its room."""
+    for name, path in ALL:
+        if name.startswith("engine"):
+            continue
+        assert ast.get_docstring(ast.parse(path.read_text())), f"{name} has no module docstring"
+
+
+def package_graph():
+    """module -> the package's modules it imports (lazy imports inside functions included)."""
+    names = {name for name, _ in ALL}
+    graph = {}
+    for name, path in ALL:
+        targets = set()
+        for imp in imports(name, path):
+            if not imp.startswith("turbospark_wsgi."):
+                continue
+            mod = imp[len("turbospark_wsgi."):]
+            while mod and mod not in names:         # `from .x import Name`: the module is x
+                mod = mod.rpartition(".")[0]
+            if mod and mod != name and not name.startswith(mod + "."):     # a package's own __init__
+                targets.add(mod)
+        graph[name] = targets
+    return graph
+
+
+def test_no_import_circles():
+    graph, done, path = package_graph(), set(), []
+
+    def visit(node):
+        if node in path:
+            raise AssertionError("import circle: " + " -> ".join(path[path.index(node):] + [node]))
+        if node in done:
+            return
+        path.append(node)
+        for target in sorted(graph.get(node, ())):
+            visit(target)
+        path.pop()
+        done.add(node)
+
+    for node in sorted(graph):
+        visit(node)

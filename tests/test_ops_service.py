@@ -6,12 +6,12 @@ import time
 import pytest
 from prometheus_client import REGISTRY
 
-from turbospark_wsgi.cancel import CancelToken
+from turbospark_wsgi.serving.cancel import CancelToken
 from turbospark_wsgi.errors import InvalidRequest, ModelLoadError, Overloaded
-from turbospark_wsgi.queue import LockQueue
+from turbospark_wsgi.serving.queue import LockQueue
 from test_service import collect
-from turbospark_wsgi.generation import Finished
-from turbospark_wsgi.service import GenerationRequest
+from turbospark_wsgi.serving.generation import Finished
+from turbospark_wsgi.serving.service import GenerationRequest
 
 
 def sample(name, **labels):
@@ -245,7 +245,7 @@ def test_a_load_and_an_unload_leave_the_heap_frozen_and_an_unloaded_models_cycle
     import gc
     import weakref
 
-    from turbospark_wsgi import registry
+    from turbospark_wsgi.serving import registry
 
     monkeypatch.setattr(registry, "_freeze_after_load", True)     # as the server's workers set it
 

@@ -1,4 +1,4 @@
-from turbospark_wsgi.parsers.holdback import partial_tag_len, split_at_tag
+from turbospark_wsgi.http.parsers.holdback import partial_tag_len, split_at_tag
 
 
 def test_partial_tag_len_finds_longest_proper_prefix():
@@ -21,7 +21,7 @@ def test_split_at_tag_picks_earliest():
 
 
 def test_hold_len_includes_whitespace_before_a_partial_tag():
-    from turbospark_wsgi.parsers.holdback import hold_len
+    from turbospark_wsgi.http.parsers.holdback import hold_len
     assert hold_len("Hello there <", ["<tool_call>"]) == 2
     assert hold_len("Hello there\n\n", ["<tool_call>"]) == 2
     assert hold_len("Hello there", ["<tool_call>"]) == 0

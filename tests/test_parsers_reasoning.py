@@ -2,7 +2,7 @@ import itertools
 
 import pytest
 
-from turbospark_wsgi.parsers.reasoning import CONTENT, REASONING, ReasoningSplitter
+from turbospark_wsgi.http.parsers.reasoning import CONTENT, REASONING, ReasoningSplitter
 
 CASES = [
     # (text, in_reasoning, reasoning, content)

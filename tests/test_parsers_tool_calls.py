@@ -3,8 +3,8 @@ import json
 
 import pytest
 
-from turbospark_wsgi.parsers import CallArgs, OutputParser, ToolCall, collect, detect_family, parse_output
-from turbospark_wsgi.parsers.tool_calls import _encodable, calls_from_json
+from turbospark_wsgi.http.parsers import CallArgs, OutputParser, ToolCall, collect, detect_family, parse_output
+from turbospark_wsgi.http.parsers.tool_calls import _encodable, calls_from_json
 
 HERMES_TWO = ('I will check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
               '</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {"tz": "CET"}}\n</tool_call>')
@@ -163,7 +163,7 @@ def test_arguments_cut_short_end_the_call_as_generated(text, args, content):
 
 
 def test_second_call_is_dropped_whole_when_not_parallel():
-    from turbospark_wsgi.schemas.chat_render import ChatReply, _ChunkWriter
+    from turbospark_wsgi.http.schemas.chat_render import ChatReply, _ChunkWriter
     writer = _ChunkWriter(ChatReply(model="m", parallel_tool_calls=False))
     events = run_stream("hermes", HERMES_TWO, [40, 90])
     deltas = [d for e in events for d in writer.deltas(e)]

@@ -3,10 +3,10 @@ holding a place after they end, and never taking one when the queue cannot hold 
 import json
 import threading
 
-from turbospark_wsgi.cancel import CancelToken
+from turbospark_wsgi.serving.cancel import CancelToken
 from turbospark_wsgi.errors import Overloaded
-from turbospark_wsgi.generation import Finished, KeepAlive, TextDelta, collect_choices
-from turbospark_wsgi.service import GenerationRequest
+from turbospark_wsgi.serving.generation import Finished, KeepAlive, TextDelta, collect_choices
+from turbospark_wsgi.serving.service import GenerationRequest
 
 
 def run(h, req):

@@ -4,9 +4,9 @@ import time
 
 import pytest
 
-from turbospark_wsgi.cancel import CancelToken
+from turbospark_wsgi.serving.cancel import CancelToken
 from turbospark_wsgi.errors import Overloaded
-from turbospark_wsgi.queue import Cancelled, LockQueue
+from turbospark_wsgi.serving.queue import Cancelled, LockQueue
 
 
 def test_tickets_run_in_arrival_order_one_at_a_time(wait_until):
@@ -163,7 +163,7 @@ GEVENT_SCRIPT = r"""
 from gevent import monkey; monkey.patch_all()
 import threading, time, gevent
 from turbospark_wsgi import compute
-from turbospark_wsgi.queue import LockQueue
+from turbospark_wsgi.serving.queue import LockQueue
 
 ex = compute.executor()
 assert type(ex._pool).__module__.startswith("gevent"), type(ex._pool)

@@ -1,7 +1,7 @@
 import pytest
 
 from turbospark_wsgi.errors import InvalidRequest
-from turbospark_wsgi.schemas.anthropic import parse_messages_request
+from turbospark_wsgi.http.schemas.anthropic import parse_messages_request
 
 USER = [{"role": "user", "content": "hi"}]
 TOOL = {"name": "get_weather", "description": "w", "input_schema": {"type": "object", "properties": {}}}

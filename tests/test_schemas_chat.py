@@ -1,7 +1,7 @@
 import pytest
 
 from turbospark_wsgi.errors import InvalidRequest
-from turbospark_wsgi.schemas.chat import parse_chat
+from turbospark_wsgi.http.schemas.chat import parse_chat
 
 USER = [{"role": "user", "content": "hi"}]
 TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {}}}}

@@ -5,9 +5,9 @@ import json
 import pytest
 
 from turbospark_wsgi.errors import InvalidRequest, ModelNotFound
-from turbospark_wsgi.schemas.anthropic import tool_input
-from turbospark_wsgi.schemas.document import MAX_DEPTH, check_body_text, check_document
-from turbospark_wsgi.schemas.json_schema import check_schema
+from turbospark_wsgi.http.schemas.anthropic import tool_input
+from turbospark_wsgi.http.schemas.document import MAX_DEPTH, check_body_text, check_document
+from turbospark_wsgi.http.schemas.json_schema import check_schema
 
 
 def refused(fn, *args):

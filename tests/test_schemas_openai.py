@@ -4,8 +4,8 @@ import math
 import pytest
 
 from turbospark_wsgi.errors import InvalidRequest
-from turbospark_wsgi.schemas import openai
-from turbospark_wsgi.generation import Finished, KeepAlive, TextDelta, Usage
+from turbospark_wsgi.http.schemas import openai
+from turbospark_wsgi.serving.generation import Finished, KeepAlive, TextDelta, Usage
 
 
 def parse(**body):
@@ -161,7 +161,7 @@ def test_n_and_best_of_are_carried():
     ("logit_bias", {"5": 101}), ("logit_bias", {"5": "x"}), ("stop", 5), ("stop", ["a", 1]),
     ("stop", ["s"] * 17), ("max_tokens", "16"), ("max_tokens", 2 ** 40), ("max_tokens", True),
     ("stream", "yes"), ("stream_options", "x"), ("n", 0), ("n", "2"), ("model", 5), ("model", ""),
-    ("logprobs", -1), ("logprobs", 99), ("best_of", 0), ("echo", "true"),
+    ("logprobs", -1), ("logprobs", 99), ("best_of", 0), ("echo", "true"), ("ignore_eos", "yes"),
 ])
 def test_bad_fields_name_their_param(field, value):
     with pytest.raises(InvalidRequest) as e:
@@ -177,6 +177,7 @@ def test_sampling_fields_reach_sampling_params():
     assert (p.temperature, p.top_p, p.top_k, p.min_p) == (0.0, 0.9, 40, 0.05)
     assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (0.5, -0.5, 1.1)
     assert p.seed == 2 ** 64 - 1 and p.logit_bias == {7: -100.0} and p.stop == ("\n",)
+    assert not p.ignore_eos and parse(prompt="hi", ignore_eos=True)[0].params.ignore_eos
 
 
 def test_top_k_minus_one_and_top_p_zero_mean_off_and_greedy():

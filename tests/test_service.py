@@ -7,15 +7,15 @@ import time
 
 import pytest
 
-from turbospark_wsgi import compute
-from turbospark_wsgi.cancel import CancelToken
+from turbospark_wsgi.serving import compute
+from turbospark_wsgi.serving.cancel import CancelToken
 from turbospark_wsgi.config import Config
 from turbospark_wsgi.engine import SamplingParams
-from turbospark_wsgi.registry import Registry
+from turbospark_wsgi.serving.registry import Registry
 from turbospark_wsgi.errors import (ContextLengthExceeded, EngineError, InvalidRequest, ModelLoadError,
                                     ModelNotFound, Overloaded)
-from turbospark_wsgi.generation import Finished, KeepAlive, TextDelta
-from turbospark_wsgi.service import GenerationRequest
+from turbospark_wsgi.serving.generation import Finished, KeepAlive, TextDelta
+from turbospark_wsgi.serving.service import GenerationRequest
 
 
 def collect(events):
@@ -304,7 +304,7 @@ def test_compute_executor_is_one_thread_per_process():
 
 
 def test_embedding_chunks_bound_inputs_and_tokens():
-    from turbospark_wsgi.service import _chunks, keep_last
+    from turbospark_wsgi.serving.service import _chunks, keep_last
     seqs = [[1] * n for n in (3, 3, 3, 9, 1, 1, 1, 1)]
     assert [[len(s) for s in c] for c in _chunks(seqs, 3, 8)] == [[3, 3], [3], [9], [1, 1, 1], [1]]
     assert keep_last([0, 1, 2, 3, 4, 9], 4, head=1, tail=1) == [0, 3, 4, 9]

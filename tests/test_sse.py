@@ -1,5 +1,5 @@
 """SSE framing and the SSEStream response object."""
-from turbospark_wsgi import sse
+from turbospark_wsgi.http import sse
 
 
 def test_frames():

@@ -240,7 +240,7 @@ def llama_server_rates(args, messages, temperature):
         def command(self):
             return super().command() + ["--spec-type", "ngram-simple"]
 
-    ns = SimpleNamespace(model=args.model, threads=os.cpu_count(), llama_ctx=4096, max_batch=1,
+    ns = SimpleNamespace(model=args.model, threads=os.cpu_count(), llama_ctx=4096, max_batch=1, deep_context=0,
                          llama_server=args.llama_server)
     body = {"messages": messages, "temperature": temperature, "seed": 1, "max_tokens": args.max_tokens}
     for label, kind in (("llama-server", LlamaServer), ("llama-server ngram-simple", Speculating)):

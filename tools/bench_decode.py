@@ -1,4 +1,4 @@
-"""In-process decode step time: each layer as one kernel (kernels_layer) against the step-by-step path.
+"""In-process decode step time: each layer as one kernel (kernels/layer.py) against the step-by-step path.
 
     python tools/bench_decode.py [--model GGUF] [--batches 1,8,16] [--steps 20] [--rounds 5] [--depth 32]
 
@@ -6,9 +6,10 @@ B caches are filled with a `--depth`-token prompt each, then `Transformer.decode
 `--steps` steps; a round does this for every B on both paths in turn (the order alternating from
 round to round, so load drift hits both alike). Printed per B: median step time and tok/s of each
 path over the rounds' medians, and their ratio, with the load average. The two paths round
-differently (see kernels_layer), so each fills its own caches.
+differently (see kernels/layer.py), so each fills its own caches.
 """
 import argparse
+import dataclasses
 import os
 import statistics
 import sys
@@ -16,7 +17,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from turbospark_wsgi.engine import kernels_layer, load_engine  # noqa: E402
+from turbospark_wsgi.engine import load_engine  # noqa: E402
 from turbospark_wsgi.pull import default_model_path  # noqa: E402
 
 PATHS = {"step-by-step": False, "fused": True}
@@ -34,7 +35,7 @@ def parse_args(argv=None):
 
 def step_ms(model, batch, steps, depth, fused):
     """Median ms of `steps` decode steps of `batch` sequences on one path."""
-    kernels_layer.configure(fused)                                      # EngineOptions.fused_layers
+    model.plan = dataclasses.replace(model.plan, fused=fused)           # EngineOptions.fused_layers
     caches = [model.new_cache(depth + steps + 2) for _ in range(batch)]
     for b, cache in enumerate(caches):
         model.forward([(7 * b + 3 * i) % 1000 + 100 for i in range(depth)], cache, logits="none")
@@ -62,7 +63,6 @@ def main(argv=None):
             for name in order:
                 ms[(name, b)].append(step_ms(model, b, args.steps, args.depth, PATHS[name]))
         loads.append(os.getloadavg()[0])
-    kernels_layer.configure(True)
     print(f"decode step, {args.rounds} interleaved rounds x {args.steps} steps, depth {args.depth}; "
           f"load average {min(loads):.2f}-{max(loads):.2f}")
     print(f"{'B':>3} | {'step-by-step ms':>15} {'tok/s':>7} | {'fused ms':>8} {'tok/s':>7} | fused speed-up")

@@ -33,6 +33,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 from dataclasses import dataclass
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -44,6 +45,9 @@ from bench_http_servers import CpuMeter, EngineWorker, LlamaCppPythonServer, Lla
 from turbospark_wsgi.pull import default_model_path  # noqa: E402
 
 DEFAULT_MODEL = str(default_model_path())
+# NOTE(anchor): where tools/build_llama_server.sh puts llama.cpp (--prefix, or TURBOSPARK_LLAMA_PREFIX)
+LLAMA_PREFIX = Path(os.environ.get("TURBOSPARK_LLAMA_PREFIX")
+                    or Path(__file__).resolve().parent.parent / "build" / "llama.cpp")
 SERVER_NAMES = (OURS, ANCHOR, LlamaCppPythonServer.name)
 
 
@@ -51,9 +55,11 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--repeats", type=int, default=3, help="rounds")
-    p.add_argument("--llama-server", default="/opt/llama.cpp/bin/llama-server", help="llama.cpp's C++ server")
+    p.add_argument("--llama-server", default=str(LLAMA_PREFIX / "bin" / "llama-server"),
+                   help="llama.cpp's C++ server (default: tools/build_llama_server.sh's)")
     p.add_argument("--llama-ctx", type=int, default=16384, help="llama-server -c (shared by its -np slots)")
-    p.add_argument("--llama-python", default="/opt/llamacpp-venv/bin/python")
+    p.add_argument("--llama-python", default=str(LLAMA_PREFIX / "venv" / "bin" / "python"),
+                   help="python with llama_cpp.server (tools/build_llama_server.sh --with-python)")
     p.add_argument("--python", default=sys.executable, help="python that runs this server's gunicorn")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="compute threads of each server")
     p.add_argument("--blas-threads", type=int, default=0,
@@ -71,6 +77,10 @@ def parse_args(argv=None):
     p.add_argument("--temperature", type=float, default=0.0,
                    help="of every request (0: greedy); llama.cpp's servers add their top_k 40, top_p 0.95 "
                         "and min_p 0.05 to it, this server nothing")
+    p.add_argument("--deep-context", type=int, default=0,
+                   help="also decode 64 tokens after a prompt of about this many tokens (0: not)")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="every request decodes its max_tokens (random-weight models; both servers take it)")
     p.add_argument("--servers", default=",".join(SERVER_NAMES), help="which to measure, comma-separated")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     args = p.parse_args(argv)
@@ -111,7 +121,7 @@ def servers_to_run(args):
             servers.append(LlamaServer(args))
         else:
             log(f"{args.llama_server} is not an executable: llama-server skipped "
-                "(../shared/tools/build-llama-server.sh builds it)")
+                "(tools/build_llama_server.sh builds it)")
     if LlamaCppPythonServer.name in args.servers:
         if llama_python_available(args.llama_python):
             servers.append(LlamaCppPythonServer(args))
@@ -136,6 +146,7 @@ class Plan:
     """Every prompt of the run, per round, so all servers get the same ones."""
     prefill: list      # [round] -> ~512-token prompt
     decode: list       # [round] -> prompt
+    deep: list         # [round] -> ~--deep-context-token prompt ending in a count (empty when off)
     chats: list        # [round] -> (system, first user message, follow-up)
     short: list        # [round] -> ~12-token prompts
     clients: dict      # level -> [round] -> [client] -> prompts
@@ -191,7 +202,15 @@ def make_plan(server, args):
         return [count(args.requests_per_client) for _ in range(n)]
 
     rounds = range(args.repeats)
+    deep_words = fit_words(server.count_tokens, lambda n: f"{100000}. {filler(n)} " + counting_prompt(100000),
+                           args.deep_context) if args.deep_context else 0
+
+    def deep():
+        n = next(numbers)
+        return f"{n}. {filler(deep_words)} " + counting_prompt(n)
+
     return Plan(prefill=[long() for _ in rounds], decode=[count(1)[0] for _ in rounds],
+                deep=[deep() for _ in rounds] if args.deep_context else [],
                 chats=[chat() for _ in rounds],
                 short=[[short_prompt(next(numbers)) for _ in range(SHORT_REQUESTS)] for _ in rounds],
                 clients={c: [streams(c) for _ in rounds] for c in args.clients},
@@ -201,7 +220,7 @@ def make_plan(server, args):
 
 
 def sampling_of(args):
-    return {"temperature": args.temperature}
+    return {"temperature": args.temperature, **({"ignore_eos": True} if args.ignore_eos else {})}
 
 
 def rotation(items, r):
@@ -274,8 +293,14 @@ def clients(level):
     return workload
 
 
+def deep_decode(server, plan, r, metrics):
+    tok_s, n = load.decode(server, plan.deep[r], DEEP_TOKENS, plan.sampling)
+    metrics["deep_decode_tok_s"].append(tok_s)
+
+
 def workloads(args):
-    return [prefill, decode, chat, short, *(clients(level) for level in args.clients)]
+    return [prefill, decode, *([deep_decode] if args.deep_context else []), chat, short,
+            *(clients(level) for level in args.clients)]
 
 
 def engine_only(worker, plan, r, metrics, level):
@@ -287,7 +312,8 @@ def engine_only(worker, plan, r, metrics, level):
         metrics[f"c{level}_http_over_engine"].append(http[r] / result["aggregate_tok_s"])
 
 
-METRICS = ("prefill_tok_s", "decode_tok_s", "chat_ttft1_s", "chat_ttft2_s", "chat_ttft2_over_1",
+DEEP_TOKENS = 64
+METRICS = ("prefill_tok_s", "decode_tok_s", "deep_decode_tok_s", "chat_ttft1_s", "chat_ttft2_s", "chat_ttft2_over_1",
            "short_ttft_s", "short_latency_s")
 COLD_METRICS = ("ready_s", "first_request_s", "first_answer_s", "first_over_warm", "first_burst_tok_s")
 COUNT_METRICS = ("prefill_prompt_tokens", "decode_completion_tokens")
@@ -297,7 +323,7 @@ HARD_LIMIT = 1.5
 
 def new_metrics(args, ours):
     """Empty per-round lists in the order the table shows them."""
-    names = list(METRICS)
+    names = [m for m in METRICS if args.deep_context or m != "deep_decode_tok_s"]
     for level in args.clients:
         names += [f"c{level}_{k}" for k in CONCURRENT_METRICS]
         if ours and level == args.engine_clients:

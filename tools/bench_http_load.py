@@ -29,6 +29,7 @@ class Stream:
     text: str = ""
     total: float = 0.0
     error: str = None
+    headers: dict = field(default_factory=dict)
 
     def add(self, doc, t):
         """Takes one parsed `data:` event (completion or chat chunk) that arrived at time t."""
@@ -55,10 +56,10 @@ class Stream:
         return len(self.token_times)
 
 
-def _post(port, path, body, timeout):
+def _post(port, path, body, timeout, headers=None):
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
     conn.request("POST", path, body=json.dumps(body),
-                 headers={"Content-Type": "application/json", "Authorization": "Bearer x"})
+                 headers={"Content-Type": "application/json", "Authorization": "Bearer x", **(headers or {})})
     return conn, conn.getresponse()
 
 
@@ -73,13 +74,14 @@ def post_json(port, path, body, timeout=60.0):
         conn.close()
 
 
-def stream(port, path, body, timeout=TIMEOUT):
-    """POSTs a streaming request and reads the SSE events to the end; errors are kept, not raised."""
+def stream(port, path, body, timeout=TIMEOUT, headers=None):
+    """POSTs a streaming request and reads the SSE events to the end; errors are kept, not raised.
+    `headers` go beside the default ones; the response's are kept in `out.headers`."""
     out = Stream()
     start = time.perf_counter()
     try:
-        conn, resp = _post(port, path, dict(body, stream=True), timeout)
-        out.status = resp.status
+        conn, resp = _post(port, path, dict(body, stream=True), timeout, headers)
+        out.status, out.headers = resp.status, {k.lower(): v for k, v in resp.getheaders()}
         try:
             if resp.status != 200:
                 out.error = f"HTTP {resp.status}: {resp.read()[:200]!r}"

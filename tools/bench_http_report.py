@@ -14,6 +14,7 @@ OURS, ANCHOR = "turbospark", "llama-server"
 LABELS = {
     "prefill_tok_s": "prefill tok/s (~512-token prompt, max_tokens 1)",
     "decode_tok_s": "single-stream decode tok/s (128 tokens)",
+    "deep_decode_tok_s": "decode tok/s after a --deep-context prompt (64 tokens)",
     "chat_ttft1_s": "chat turn 1 TTFT s (~600 tokens)",
     "chat_ttft2_s": "chat turn 2 TTFT s",
     "chat_ttft2_over_1": "chat TTFT turn2 / turn1",

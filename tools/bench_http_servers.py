@@ -217,7 +217,8 @@ class LlamaServer(Server):
     def command(self):
         threads = str(self.args.threads)
         return [self.args.llama_server, "-m", self.args.model, "-t", threads, "-tb", threads,
-                "-c", str(self.args.llama_ctx), "-np", str(self.args.max_batch),
+                "-c", str(max(self.args.llama_ctx, self.args.max_batch * (self.args.deep_context + 512))),
+                "-np", str(self.args.max_batch),
                 "--host", "127.0.0.1", "--port", str(self.port)]
 
     def count_tokens(self, text):

@@ -24,7 +24,8 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 _T0 = time.perf_counter()
-from turbospark_wsgi.engine import kernels_cpu, quant  # noqa: E402
+from turbospark_wsgi.engine import quant  # noqa: E402
+from turbospark_wsgi.engine.kernels import cpu as kernels_cpu  # noqa: E402
 from turbospark_wsgi.pull import default_model_path  # noqa: E402
 
 IMPORT_S = time.perf_counter() - _T0

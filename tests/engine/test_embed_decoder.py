@@ -3,7 +3,8 @@ without touching them."""
 import numpy as np
 import pytest
 
-from turbospark_wsgi.engine import Finish, SamplingParams, Token, engine as E, kernels_cpu, load_engine
+from turbospark_wsgi.engine import Finish, SamplingParams, Token, engine as E, load_engine
+from turbospark_wsgi.engine.kernels import cpu as kernels_cpu
 
 
 @pytest.fixture(params=["stories", "tiny_q8"])

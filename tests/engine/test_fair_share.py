@@ -4,12 +4,12 @@ import threading
 
 import pytest
 
-from turbospark_wsgi import compute
-from turbospark_wsgi.cancel import CancelToken
+from turbospark_wsgi.serving import compute
+from turbospark_wsgi.serving.cancel import CancelToken
 from turbospark_wsgi.config import Config
 from turbospark_wsgi.engine import Finish, FinishReason, Paused, Prefill, SamplingParams, Token, load_engine
-from turbospark_wsgi.generation import TextDelta
-from turbospark_wsgi.service import GenerationRequest, Service
+from turbospark_wsgi.serving.generation import TextDelta
+from turbospark_wsgi.serving.service import GenerationRequest, Service
 
 TEXTS = ["Once upon a time", "The little dog", "One day, Lily went to the park and", "Tom", "A cat sat",
          "The sun was", "Ben and Mia", "There was a big"]

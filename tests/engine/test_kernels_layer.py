@@ -1,9 +1,11 @@
 """The fused layer kernel (kernels_layer): its pieces against the numpy steps, the whole layer stack
 against the step-by-step path, and the exactness the prefix cache and batching rely on."""
+import dataclasses
+
 import numpy as np
 import pytest
 
-from turbospark_wsgi.engine import kernels_cpu, kernels_layer
+from turbospark_wsgi.engine.kernels import cpu as kernels_cpu, layer as kernels_layer
 from turbospark_wsgi.engine.kv_cache import KVCache
 from turbospark_wsgi.engine.loader import load_model
 from turbospark_wsgi.engine.model import gelu_tanh_gate, rms_norm, swiglu
@@ -14,12 +16,11 @@ pytestmark = pytest.mark.skipif(not kernels_layer.AVAILABLE, reason="numba is no
 @pytest.fixture(autouse=True)
 def _int8_fused(monkeypatch):
     monkeypatch.setattr(kernels_cpu, "ACTIVATIONS", "int8")
-    monkeypatch.setattr(kernels_layer, "ENABLED", True)
 
 
 def step_by_step(model, fn, monkeypatch):
     with monkeypatch.context() as m:
-        m.setattr(kernels_layer, "ENABLED", False)
+        m.setattr(model, "plan", dataclasses.replace(model.plan, fused=False))
         assert not model.fused
         return fn()
 
@@ -55,13 +56,15 @@ def fused_and_step_by_step(model, prompt, steps, monkeypatch):
 
 
 def assert_fused_follows_step_by_step(model, monkeypatch, prompt=(1, 40, 72, 101, 108, 108, 111, 260, 263, 32)):
-    """Without an int8 rounding flip (none on these tiny models) the two paths agree to float32 noise."""
+    """The two paths agree to float32 noise, but for where the float steps' rounding (which differs
+    between them, and with the CPU's vector width) tips an activation's int8 rounding the other way:
+    that moves a few values by up to one int8 step of their block."""
     (new, cache_new), (old, cache_old) = fused_and_step_by_step(model, list(prompt), [5, 6, 7], monkeypatch)
     n = cache_new.length
     assert n == cache_old.length == len(prompt) + 3
-    assert np.abs(new - old).max() < 1e-4
-    assert np.abs(cache_new.k[:, :n] - cache_old.k[:, :n]).max() < 1e-4
-    assert np.abs(cache_new.v[:, :n] - cache_old.v[:, :n]).max() < 1e-4
+    for a, b in ((new, old), (cache_new.k[:, :n], cache_old.k[:, :n]), (cache_new.v[:, :n], cache_old.v[:, :n])):
+        diff, scale = np.abs(a - b), max(1.0, float(np.abs(b).max()))
+        assert np.mean(diff < 1e-4) > 0.98 and diff.max() < 2e-2 * scale, (np.mean(diff < 1e-4), diff.max(), scale)
 
 
 def test_llama_layers_follow_the_step_by_step_path(tiny_gguf, monkeypatch):

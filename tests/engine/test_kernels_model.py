@@ -176,7 +176,7 @@ def test_forward_refuses_overflow_and_empty_input(tiny_gguf):
 
 @pytest.mark.parametrize("T, pos, H, G, window", ATTENTION_CASES)
 def test_fused_attention_matches_naive_and_its_rows_depend_only_on_their_position(T, pos, H, G, window):
-    from turbospark_wsgi.engine import kernels_cpu
+    from turbospark_wsgi.engine.kernels import cpu as kernels_cpu
     if not kernels_cpu.AVAILABLE:
         pytest.skip("needs numba")
     rng = np.random.default_rng(T + pos)

@@ -146,7 +146,7 @@ def test_weight_storage_says_which_types_stay_quantized(tmp_path, monkeypatch):
     """`turbospark models`' weights column: block kernels for Q5_0/Q8_0/..., float32 for the rest."""
     gguf = pytest.importorskip("gguf")
     from gguf import GGMLQuantizationType as GT, quants
-    from turbospark_wsgi.engine import kernels_cpu
+    from turbospark_wsgi.engine.kernels import cpu as kernels_cpu
     from turbospark_wsgi.engine.loader import weight_storage
     rng = np.random.default_rng(0)
     w = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "llama")
@@ -172,7 +172,7 @@ def test_a_matrix_with_a_part_without_block_kernel_is_read_once_as_float32(tiny_
     q | k | v and layer 1's gate | up are float32, exactly as the float32 loader makes them, the
     rest stays in block form, and no tensor is read from the file twice."""
     from gguf import GGMLQuantizationType as GT
-    from turbospark_wsgi.engine import kernels_cpu
+    from turbospark_wsgi.engine.kernels import cpu as kernels_cpu
     if not kernels_cpu.AVAILABLE:
         pytest.skip("block form needs numba")
     rng = np.random.default_rng(1)

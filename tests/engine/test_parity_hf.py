@@ -1,11 +1,14 @@
 """Parity with Hugging Face transformers (torch, CPU, float32): logits at every position and greedy tokens."""
+import dataclasses
+
 import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from turbospark_wsgi.engine import kernels_cpu, kernels_layer, load_engine  # noqa: E402
+from turbospark_wsgi.engine import load_engine  # noqa: E402
+from turbospark_wsgi.engine.kernels import cpu as kernels_cpu  # noqa: E402
 from turbospark_wsgi.engine.loader import load_model  # noqa: E402
 
 PROMPT = [1, 40, 72, 101, 108, 108, 111, 260, 263, 32, 119, 111, 114, 108, 100, 33, 7, 200, 3, 50]
@@ -200,6 +203,7 @@ def test_default_model_embeddings_match_transformers(default_gguf):
 
 
 CHAT_PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3575, 2, 198, 1, 4093, 198, 504, 3575, 282]
+MARGIN = 2.0        # logits by which transformers' best token must lead for int8 to be held to it
 INT8_TEXTS = ("The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
               "The theory of relativity states that", "List three fruits:", "import numpy as np\n",
               "Dear Sir or Madam,", "Water boils at")
@@ -209,11 +213,12 @@ INT8_TEXTS = ("The capital of France is", "def fibonacci(n):", "Once upon a time
 def test_default_model_with_int8_activations_keeps_greedy_parity(default_gguf, monkeypatch):
     """int8 activations (the default kernels) round each activation block: logits move, and a near
     tie on a greedy path can tip either way, after which a free-running path leaves transformers'.
-    So the check runs along transformers' greedy paths, 9 prompts x 32 tokens, on both layer paths.
-    Measured (fused layers / step by step): mean |dlogit| 0.43 / 0.45, max 5.9 / 5.5, argmax other
-    at 21 / 16 of 288 positions; free-running greedy equal for 1 to 32 steps (median 11 / 18). On
-    the chat prompt alone: 32 steps step by step, 1 fused, its second token a 0.58-logit tie in
-    float32 (llama.cpp's llama-server, same file: 1 of 48 argmaxes other along that path)."""
+    So the check runs along transformers' greedy paths, 9 prompts x 32 tokens, on both layer paths,
+    and holds the int8 path to bounds rather than bits: the float steps around the exact integer
+    products round differently with 8- and 16-wide vectors, so a tie tips one way on AVX2 and the
+    other on AVX-512. Where transformers' best token leads its second by more than MARGIN, ours
+    must be the same; the mean and largest |dlogit| and the share of other argmaxes are bounded.
+    tools/accuracy.py measures the same path against the float32 one and llama.cpp (README)."""
     monkeypatch.setattr(kernels_cpu, "ACTIVATIONS", "int8")
     reference = transformers.AutoModelForCausalLM.from_pretrained(
         default_gguf.parent, gguf_file=default_gguf.name, dtype=torch.float32, attn_implementation="eager").eval()
@@ -223,15 +228,18 @@ def test_default_model_with_int8_activations_keeps_greedy_parity(default_gguf, m
     paths = [(p, hf_greedy(reference, p, GREEDY_STEPS)) for p in prompts]
     refs = [hf_logits(reference, p + theirs) for p, theirs in paths]
     for fused in (True, False):
-        monkeypatch.setattr(kernels_layer, "ENABLED", fused)
+        monkeypatch.setattr(model, "plan", dataclasses.replace(model.plan, fused=fused))
         assert model.fused == fused
-        diffs, other = [], 0
+        diffs, other, clear_misses = [], 0, []
         for (p, theirs), ref in zip(paths, refs):
             ours = model.forward(p + theirs, model.new_cache(), logits="all")
             diffs.append(np.abs(ours - ref)[len(p) - 1:])
             along = ours[len(p) - 1:-1].argmax(axis=-1)
-            assert along[0] == theirs[0], (fused, p)                   # every prompt's first token
+            top2 = np.sort(ref[len(p) - 1:-1], axis=-1)[:, -2:]
+            clear = top2[:, 1] - top2[:, 0] > MARGIN
+            clear_misses += [(fused, i) for i in np.flatnonzero(clear & (along != np.asarray(theirs)))]
             other += int((along != np.asarray(theirs)).sum())
         d = np.concatenate(diffs)
         assert d.mean() < 0.6 and d.max() < 8.0, (fused, d.mean(), d.max())
         assert other <= 0.1 * GREEDY_STEPS * len(prompts), (fused, other)
+        assert not clear_misses, clear_misses

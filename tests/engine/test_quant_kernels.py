@@ -11,7 +11,8 @@ import pytest
 gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as GT, quants  # noqa: E402
 
-from turbospark_wsgi.engine import kernels_cpu, kernels_q8, quant  # noqa: E402
+from turbospark_wsgi.engine import quant  # noqa: E402
+from turbospark_wsgi.engine.kernels import isa, cpu as kernels_cpu, int8 as kernels_q8  # noqa: E402
 
 TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q6_K"]
 needs_numba = pytest.mark.skipif(not kernels_cpu.AVAILABLE, reason="numba is not installed")
@@ -112,36 +113,41 @@ def test_int8_rows_do_not_depend_on_the_rows_beside_them(qtype):
     assert np.array_equal(kernels_cpu.qmatmul(x[:2], w, threads=1, activations="int8"), whole[:2])
 
 
-_PORTABLE = """
-import numpy as np, sys
-from turbospark_wsgi.config import Config
-from turbospark_wsgi.engine import kernels_cpu, kernels_q8, options
-sys.path.insert(0, sys.argv[1])
-from test_quant_kernels import make
-options.apply(Config.from_env().engine_options())      # TURBOSPARK_INT8_VNNI=0, as load_model applies it
-assert not kernels_q8.VNNI
-out = []
-for qtype in ("Q4_1", "Q8_0", "Q6_K"):
+@needs_numba
+@pytest.mark.parametrize("path", isa.runnable())
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0", "Q6_K", "Q4_K"])
+def test_every_instruction_path_gives_the_integer_products_exactly(qtype, path):
+    """Each path this CPU can run (isa.runnable) against the numpy reference of the same integer
+    products. Rows of extreme activations: a block of one large value (q_a = +-127 everywhere the
+    weight is largest) is where vpmaddubsw would saturate without the sign trick."""
     w, ref = make(qtype, 64, 8)
-    x = np.random.default_rng(1).standard_normal((3, ref.shape[1])).astype(np.float32)
-    out.append(kernels_cpu.qmatmul(x, w, activations="int8"))
-np.save(sys.argv[2], np.concatenate(out, axis=1))
-"""
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((5, ref.shape[1])).astype(np.float32)
+    x[1] = 3.0
+    x[2] = -3.0
+    x[3, ::2] = -5.0
+    y = kernels_cpu.qmatmul(x, w, activations="int8", isa=path)
+    close(y, kernels_q8.matmul_ref(x, w))                 # float64 sums in the reference
+    # the same integers, so the same float steps: bit for bit the generic path's result
+    assert np.array_equal(y, kernels_cpu.qmatmul(x, w, activations="int8", isa="generic"))
 
 
 @needs_numba
-@pytest.mark.slow
-@pytest.mark.skipif(not kernels_q8.VNNI, reason="the CPU has no AVX-512 VNNI: the portable code is the only one")
-def test_int8_vnni_and_portable_code_give_the_same_bits(tmp_path):
-    out = []
-    for qtype in ("Q4_1", "Q8_0", "Q6_K"):
-        w, ref = make(qtype, 64, 8)
-        x = np.random.default_rng(1).standard_normal((3, ref.shape[1])).astype(np.float32)
-        out.append(kernels_cpu.qmatmul(x, w, activations="int8"))
-    env = dict(os.environ, TURBOSPARK_INT8_VNNI="0", NUMBA_CACHE_DIR=str(tmp_path / "cache"))
-    subprocess.run([sys.executable, "-c", _PORTABLE, os.path.dirname(__file__), str(tmp_path / "y.npy")],
-                   env=env, check=True, timeout=600)
-    assert np.array_equal(np.load(tmp_path / "y.npy"), np.concatenate(out, axis=1))
+@pytest.mark.parametrize("path", isa.runnable())
+def test_q8_weights_at_minus_128_do_not_saturate_any_path(path):
+    """q = -128 times q_a = +-127 in every byte: the largest products an 8-bit unit can hold."""
+    n, k = 32, 64
+    raw = np.zeros((n, k // 32, 34), np.uint8)
+    raw[..., :2] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
+    raw[..., 2:] = 0x80                                                # int8 -128
+    raw[::2, :, 2::3] = 0x7F                                           # some +127 beside them
+    raw = raw.reshape(n, -1)
+    w = quant.pack(quant.decode(raw, GT.Q8_0.value, (n, k)), tile=32)
+    x = np.where(np.arange(k) % 5 == 0, -1.0, 1.0).astype(np.float32)[None].repeat(3, 0)
+    x[2] *= -1
+    y = kernels_cpu.qmatmul(x, w, activations="int8", isa=path)
+    close(y, kernels_q8.matmul_ref(x, w))
+    assert np.array_equal(y, kernels_cpu.qmatmul(x, w, activations="int8", isa="generic"))
 
 
 @needs_numba
@@ -204,7 +210,7 @@ def test_qlinear_is_a_drop_in_for_a_transposed_float_matrix():
     x = np.random.default_rng(7).standard_normal((2, 3, 192)).astype(np.float32)
     y = x @ lin
     assert y.shape == (2, 3, 96)
-    close(y.reshape(6, 96), kernels_q8.matmul_ref(x.reshape(6, 192), w) if kernels_cpu.ACTIVATIONS == "int8"
+    close(y.reshape(6, 96), kernels_q8.matmul_ref(x.reshape(6, 192), w) if lin.activations == "int8"
           and kernels_cpu.AVAILABLE else x.reshape(6, 192) @ ref.T)
 
 

@@ -285,3 +285,43 @@ def test_unrelated_prompts_do_not_evict_a_warm_prefix_while_other_slots_exist():
     run(model, ids("qqqq rrrr"), SamplingParams(temperature=0, max_new_tokens=1), sched=sched)
     events = run(model, warm + ids("ab"), SamplingParams(temperature=0, max_new_tokens=1), sched=sched)
     assert events[-1].cached_tokens == 20
+
+
+def salted(model, sched, prompt, salt):
+    return drain(sched, sched.add(prompt, SamplingParams(temperature=0, max_new_tokens=1), salt=salt))
+
+
+def test_a_salt_reuses_only_its_own_prefixes_and_the_output_is_the_same():
+    prompt = ids("the cat sat on it")
+    model = ScriptedModel(lambda cache: script_for(cache.tokens, "x"))
+    sched = scheduler(model, max_batch=2, chunk=4)
+    a = salted(model, sched, prompt, "alice")
+    b = salted(model, sched, prompt, "bob")                 # the same prompt, another salt: a miss
+    assert b[-1].cached_tokens == 0 and text_of(a) == text_of(b) == "x"
+    assert salted(model, sched, prompt, "alice")[-1].cached_tokens == 16
+    assert salted(model, sched, prompt, "bob")[-1].cached_tokens == 16
+    assert salted(model, sched, prompt, "")[-1].cached_tokens == 0     # unsalted runs share among themselves
+
+
+def test_a_slot_taken_by_another_salt_starts_empty():
+    prompt = ids("the cat sat on it")
+    model = ScriptedModel(lambda cache: script_for(cache.tokens, "x"))
+    sched = scheduler(model, max_batch=1, chunk=4)          # one slot: bob's run must take alice's
+    salted(model, sched, prompt, "alice")
+    model.calls.clear()
+    assert salted(model, sched, prompt, "bob")[-1].cached_tokens == 0
+    assert model.calls[0] == prompt[:4]                     # the whole prompt ran again
+    assert salted(model, sched, prompt, "alice")[-1].cached_tokens == 0   # alice's ids went with it
+
+
+def test_a_new_conversation_sharing_only_a_template_start_keeps_off_another_ones_slot():
+    start = ids("<sys>")                                   # what every chat template puts first
+    a, b = start + ids("the cat sat on the mat"), start + ids("zzzz yyyy qqqq rrrr ss")
+    model = ScriptedModel(lambda cache: script_for(cache.tokens, "x"))
+    sched = scheduler(model, max_batch=2, chunk=4)
+    salted(model, sched, a, "")
+    assert salted(model, sched, b, "")[-1].cached_tokens == 0      # a new slot, not a's
+    assert salted(model, sched, a + ids("x more"), "")[-1].cached_tokens == 24   # a's turn finds its own
+    sched = scheduler(model, max_batch=1, chunk=4)          # no room for another slot: b takes the only one
+    salted(model, sched, a, "")
+    assert salted(model, sched, b, "")[-1].cached_tokens == 4

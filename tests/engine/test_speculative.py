@@ -295,7 +295,7 @@ def test_a_draft_with_another_tokenizer_is_refused(request, tiny_gguf):
 def test_the_server_setting_gives_every_generation_model_its_draft(tiny_gguf, tmp_path):
     from turbospark_wsgi.config import Config
     from turbospark_wsgi.errors import ModelLoadError
-    from turbospark_wsgi.registry import Registry
+    from turbospark_wsgi.serving.registry import Registry
     tiny_gguf(qtype="Q8_0", name="target.gguf")
     tiny_gguf(qtype="Q8_0", seed=1, num_hidden_layers=1, name="small.gguf")
     config = Config(models_dir=str(tmp_path), model="target", device="cpu", load_default=False, draft_model="small")

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from turbospark_wsgi.app import create_app
+from turbospark_wsgi.http.app import create_app
 from turbospark_wsgi.config import Config
 
 STORIES = Path("/work/shared/models/stories260K.gguf")

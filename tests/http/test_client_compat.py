@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from turbospark_wsgi.app import create_app
+from turbospark_wsgi.http.app import create_app
 from turbospark_wsgi.config import Config
-from turbospark_wsgi.service import Service
+from turbospark_wsgi.serving.service import Service
 
 webtest = pytest.importorskip("webtest")
 

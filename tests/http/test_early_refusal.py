@@ -7,8 +7,8 @@ import textwrap
 
 import pytest
 
-from turbospark_wsgi.refusal import refusal
-from turbospark_wsgi.workers import parse_head
+from turbospark_wsgi.http.refusal import refusal
+from turbospark_wsgi.http.framing import parse_head
 
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses")
 BODY = b'{"model": "fake", "messages": [{"role": "user", "content": "Hi"}], "prompt": "Hi", "input": "Hi"}'
@@ -171,7 +171,7 @@ def test_the_early_answer_asks_for_the_client_the_app_would_name(make_harness, h
 def test_a_worker_grows_its_descriptor_table_before_connections_arrive():
     code = textwrap.dedent("""
         import os, re
-        from turbospark_wsgi.workers import reserve_descriptors
+        from turbospark_wsgi.http.workers import reserve_descriptors
         size = lambda: int(re.search(r"FDSize:\\s*(\\d+)", open("/proc/self/status").read()).group(1))
         before, open_before = size(), sorted(os.listdir("/proc/self/fd"))
         assert reserve_descriptors(1500)
@@ -181,3 +181,21 @@ def test_a_worker_grows_its_descriptor_table_before_connections_arrive():
     before, after, same = out.stdout.split()
     assert int(before) < 1500 <= int(after), out.stdout
     assert same == "True", "a descriptor was left open"
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/messages", "/v1/embeddings"])
+def test_the_early_413_is_the_apps_413(make_harness, path):
+    """A Content-Length over the limit: the worker's answer from the head is the app's."""
+    from turbospark_wsgi.http.framing import Framing
+    client = make_harness(max_body=50, cors_origins=("https://app.example",)).client()
+    headers = {"Origin": "https://app.example", "x-request-id": "r-1", "Content-Type": "application/json"}
+    resp = client.post(path, BODY, headers=headers, expect_errors=True)
+    framing = Framing(max_head=65536, max_body=50)
+    head = (f"POST {path} HTTP/1.1\r\nHost: h\r\n" + "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+            + f"Content-Length: {len(BODY)}\r\n\r\n").encode()
+    assert framing.feed(head) == "refuse"
+    answer = refusal().refuse("POST", path, framing.head.fields, None, framing.refused.status,
+                              framing.refused.message)
+    assert resp.status == answer.status and resp.status_int == 413
+    assert json.loads(answer.body) == resp.json
+    assert dict(answer.headers) == {k.lower(): v for k, v in resp.headers.items()}

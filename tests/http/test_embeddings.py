@@ -28,7 +28,7 @@ def root(tmp_path_factory):
 @pytest.fixture(scope="module")
 def client(root):
     import webtest
-    from turbospark_wsgi.app import create_app
+    from turbospark_wsgi.http.app import create_app
     from turbospark_wsgi.config import Config
     config = Config(models_dir=str(root), model=M, device="cpu", load_default=False, max_embedding_inputs=64)
     return webtest.TestApp(create_app(config))
@@ -206,9 +206,9 @@ def test_hostile_bodies_are_4xx_in_the_openai_envelope(client):
 
 def test_embeddings_take_a_place_in_the_generation_queue(root):
     import webtest
-    from turbospark_wsgi.app import create_app
+    from turbospark_wsgi.http.app import create_app
     from turbospark_wsgi.config import Config
-    from turbospark_wsgi.service import Service
+    from turbospark_wsgi.serving.service import Service
     config = Config(models_dir=str(root), model=M, device="cpu", load_default=False, max_batch=1, max_waiting=1,
                     queue_timeout=0.3)
     service = Service(config)

@@ -29,6 +29,8 @@ TABLE = [
     ("model", "", ALL, False), ("model", " ", ALL, False), ("model", 5, ALL, False),
     ("repetition_penalty", 0.005, OPENAI, True), ("repetition_penalty", 0, OPENAI, False),
     ("repetition_penalty", 10.5, OPENAI, False),
+    ("cache_salt", "s", OPENAI, True), ("cache_salt", "", OPENAI, False), ("cache_salt", 5, OPENAI, False),
+    ("cache_salt", "s" * 1025, OPENAI, False),
     ("min_p", 0.1, OPENAI, True), ("min_p", 2, OPENAI, False),
     ("presence_penalty", 1, OPENAI, True), ("presence_penalty", 3, OPENAI, False),
     ("frequency_penalty", -3, OPENAI, False),

@@ -24,7 +24,7 @@ hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from turbospark_wsgi.schemas.openapi_spec import spec  # noqa: E402
+from turbospark_wsgi.http.schemas.openapi_spec import spec  # noqa: E402
 
 _spec = importlib.util.spec_from_file_location("hostile_input", Path(__file__).with_name("test_hostile_input.py"))
 hostile = importlib.util.module_from_spec(_spec)

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from turbospark_wsgi import compute, registry
-from turbospark_wsgi.app import create_app
+from turbospark_wsgi.serving import compute, registry
+from turbospark_wsgi.http.app import create_app
 from turbospark_wsgi.config import Config
 
 webtest = pytest.importorskip("webtest")

@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from turbospark_wsgi.app import envelope_for
+from turbospark_wsgi.http.app import envelope_for
 
 
 def test_unknown_route_is_an_openai_404(client):

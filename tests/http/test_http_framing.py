@@ -192,62 +192,87 @@ def test_a_newline_in_the_path_is_one_escaped_access_line(client, caplog):
     assert "\n" not in lines[0] and "\r" not in lines[0]
 
 
-# ---- what the gthread worker buffers before a thread sees the request ---------------------------
+# ---- what the workers buffer before a thread sees the request (framing.py, h11) -------------------
 
-@pytest.mark.parametrize("head, length", [
-    (b"POST / HTTP/1.1\r\nContent-Length: 12\r\n\r\n", 12),
-    (b"POST / HTTP/1.1\r\ncontent-length:12\r\nContent-Length: 12 \r\n\r\n", 12),
-    (b"POST / HTTP/1.1\r\nContent-Length: 12\r\nContent-Length: 13\r\n\r\n", None),    # gunicorn refuses it
-    (b"POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\nContent-Length: 12\r\n\r\n", None),
-    (b"POST / HTTP/1.1\r\nExpect: 100-continue\r\nContent-Length: 12\r\n\r\n", None),  # waits for a 100
-    (b"POST / HTTP/1.1\r\nX-Content-Length: 12\r\n\r\n", None),
-    (b"POST / HTTP/1.1\r\nContent-Length: 1" + b"0" * 20 + b"\r\n\r\n", None),
+def framed(data, max_body=1 << 20):
+    from turbospark_wsgi.http.framing import Framing
+    framing = Framing(max_head=65536, max_body=max_body)
+    return framing, framing.feed(bytearray(data))
+
+
+@pytest.mark.parametrize("head, state", [
+    (b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 12\r\n\r\n", "wait"),              # 12 bytes to buffer
+    (b"POST / HTTP/1.1\r\nHost: x\r\ncontent-length:12\r\nContent-Length: 12 \r\n\r\n", "wait"),
+    (b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 12\r\nContent-Length: 13\r\n\r\n", "server"),
+    (b"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\nContent-Length: 12\r\n\r\n", "wait"),
+    (b"POST / HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\nContent-Length: 12\r\n\r\n", "server"),
+    (b"POST / HTTP/1.1\r\nHost: x\r\nX-Content-Length: 12\r\n\r\n", "whole"),              # no body
+    (b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 1" + b"0" * 20 + b"\r\n\r\n", "server"),
 ])
-def test_the_thread_worker_buffers_a_body_only_when_its_length_is_plain(head, length):
-    from turbospark_wsgi.workers import body_length
-    assert body_length(head) == length
+def test_the_workers_buffer_a_body_only_when_its_length_is_plain(head, state):
+    assert framed(head)[1] == state
 
 
-@pytest.mark.parametrize("data, end", [
-    (b"GET / HTTP/1.1\r\nHost: x\r\n\r\nBODY", 27),
-    (b"GET / HTTP/1.1\r\nHost: x\r\n", -1),
-    (b"\r\nGET / HTTP/1.1\r\n\r\n", 20),                 # one empty line may come first
-    (b"GET / HTTP/1.1\nHost: x\n\n", 24),                # bare LFs: whole, for gunicorn to refuse
+@pytest.mark.parametrize("data, state, end", [
+    (b"GET / HTTP/1.1\r\nHost: x\r\n\r\nBODY", "whole", 27),       # BODY: the next request's bytes
+    (b"GET / HTTP/1.1\r\nHost: x\r\n", "wait", None),
+    (b"\r\nGET / HTTP/1.1\r\nHost: x\r\n\r\n", "whole", 29),      # one empty line may come first
+    (b"GET / HTTP/1.1\nHost: x\n\n", "whole", 24),                # bare LFs: whole, not plain
+    (b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 4\r\n\r\nBODYGET", "whole", 51),
+    (b"GET /\r\n", "server", None),                               # HTTP/0.9: gunicorn's 400, now
+    (b"GET / HTTP/1.1\r\n", "wait", None),                        # a good line: the head may follow
 ])
-def test_the_thread_worker_finds_where_a_head_ends(data, end):
-    from turbospark_wsgi.workers import find_head_end
-    assert find_head_end(bytearray(data)) == end
+def test_the_workers_find_where_a_request_ends(data, state, end):
+    framing, got = framed(data)
+    assert (got, framing.end) == (state, end)
+    if data.startswith(b"GET / HTTP/1.1\nHost"):
+        assert framing.head is None
+    from turbospark_wsgi.http.framing import Framing
+    bytewise, buf = Framing(max_head=65536, max_body=1 << 20), bytearray()
+    for byte in data:                       # byte by byte: the same answer at the same byte
+        buf.append(byte)
+        if bytewise.feed(buf) != "wait":
+            break
+    assert (bytewise.state, bytewise.end) == (state, end)
+
+
+def test_a_head_over_the_body_limit_is_refused_before_its_body():
+    head = b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 2000\r\n\r\n"
+    for extra in (b"", b"Expect: 100-continue\r\n"):
+        framing, state = framed(head.replace(b"Host: x\r\n", b"Host: x\r\n" + extra) + b"{", max_body=1000)
+        assert (state, framing.refused.status) == ("refuse", 413)
 
 
 DATA = b'{"prompt": "hi"}'     # 16 bytes
 
 
-@pytest.mark.parametrize("body, done, size", [
-    (b"10\r\n" + DATA + b"\r\n0\r\n\r\n", True, 16),
-    (b"10;ext=1\r\n" + DATA + b"\r\n0\r\nX-T: 1\r\n\r\n", True, 16),
-    (b"8\r\n" + DATA[:8] + b"\r\n8\r\n" + DATA[8:] + b"\r\n0\r\n\r\n", True, 16),
-    (b"10\r\n" + DATA + b"\r\n0\r\n", False, 16),                # the final empty line is still to come
-    (b"10\r\n" + DATA[:5], False, 0),
-    (b"1", False, 0),
-    (b"", False, 0),
-    (b"zz\r\n" + DATA, True, 0),                                   # a bad size line: the reader's 400
-    (b"-5\r\n" + DATA, True, 0),
-    (b"1" * 2000, True, 0),                                        # a size line with no end
-    (b"10\r\n" + DATA + b"XX0\r\n\r\n", True, 0),                   # no CRLF after the data
-    (b"10000000000000000\r\n", True, 0),                           # more than 16 hex digits
-    (b"ffffffff\r\n" + DATA, True, 0),                              # over the limit: the app's 413
-    (b"1\r\na\r\n" * 5000 + b"0\r\n\r\n", True, 4096),               # many tiny chunks: a thread reads on
+@pytest.mark.parametrize("body, state, size", [
+    (b"10\r\n" + DATA + b"\r\n0\r\n\r\n", "whole", 16),
+    (b"10;ext=1\r\n" + DATA + b"\r\n0\r\nX-T: 1\r\n\r\n", "whole", 16),
+    (b"8\r\n" + DATA[:8] + b"\r\n8\r\n" + DATA[8:] + b"\r\n0\r\n\r\n", "whole", 16),
+    (b"10\r\n" + DATA + b"\r\n0\r\n", "wait", 16),                 # the final empty line is still to come
+    (b"10\r\n" + DATA[:5], "wait", 5),
+    (b"1", "wait", 0),
+    (b"", "wait", 0),
+    (b"zz\r\n" + DATA, "server", 0),                                # a bad size line: the reader's 400
+    (b"-5\r\n" + DATA, "server", 0),
+    (b"1" * 2000, "server", 0),                                     # a size line with no end
+    (b"10\r\n" + DATA + b"XX0\r\n\r\n", "server", 16),              # no CRLF after the data
+    (b"10000000000000000\r\n" + DATA, "refuse", 0),                  # 2^64: no 64-bit reader holds it (400)
+    (b"ffffffff\r\n" + DATA, "refuse", 0),                          # over the limit: 413 at once
+    (b"1\r\na\r\n" * 5000 + b"0\r\n\r\n", "server", 4096),          # many tiny chunks: a thread reads on
 ])
-def test_the_thread_worker_follows_a_chunked_body(body, done, size):
-    from turbospark_wsgi.workers import ChunkScan, scan_chunks
-    head = b"POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n"
-    buf = bytearray(head + body)
-    scan = scan_chunks(buf, ChunkScan(len(head)), limit=1 << 20, trailer_limit=8192)
-    assert (scan.done, scan.size) == (done, size)
-    whole = scan_chunks(bytearray(head), ChunkScan(len(head)), 1 << 20, 8192)
-    for i in range(len(body)):              # byte by byte: each chunk read once, the same end
-        buf = bytearray(head + body[:i + 1])
-        whole = scan_chunks(buf, whole, 1 << 20, 8192)
-        if whole.done:
+def test_the_workers_follow_a_chunked_body(body, state, size):
+    from turbospark_wsgi.http.framing import Framing
+    head = b"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+    framing, got = framed(head + body)
+    assert (got, framing.size) == (state, size)
+    bytewise = Framing(max_head=65536, max_body=1 << 20)
+    buf = bytearray(head)
+    for byte in body:                       # byte by byte: each byte read once, the same end
+        buf.append(byte)
+        if bytewise.feed(buf) != "wait":
             break
-    assert whole.done == done
+    assert bytewise.state == state
+    if state == "refuse":
+        assert framing.refused.status == (400 if body.startswith(b"1000") else 413)

@@ -14,7 +14,7 @@ PROMPT = "Once upon a time"
 @pytest.fixture(scope="module")
 def client():
     import webtest
-    from turbospark_wsgi.app import create_app
+    from turbospark_wsgi.http.app import create_app
     from turbospark_wsgi.config import Config
     config = Config(models_dir=str(MODEL.parent), model="stories260K", device="cpu", load_default=False,
                     keepalive=0.5)

@@ -12,7 +12,7 @@ import pytest
 
 from turbospark_wsgi import metrics
 from turbospark_wsgi.config import ConfigError
-from turbospark_wsgi.limits import Limit, Limits, MemoryStore, duration, parse_table, read_table, reload_all
+from turbospark_wsgi.serving.limits import Limit, Limits, MemoryStore, duration, parse_table, read_table, reload_all
 
 KEYS = {"alice": "sk-alice-0123", "bob": "sk-bob-4567", "carol": "sk-carol-89ab"}
 CHAT = {"model": "fake", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
@@ -130,7 +130,7 @@ def test_a_refused_request_does_not_count(make_harness, tmp_path):
 
 def test_embeddings_count_a_request_and_their_tokens(make_harness, tmp_path):
     from turbospark_wsgi.errors import InvalidRequest
-    from turbospark_wsgi.service import EmbeddingResult
+    from turbospark_wsgi.serving.service import EmbeddingResult
     h = limited(make_harness, tmp_path, rate_file(requests_per_minute=2, tokens_per_minute=100))
     h.service.embed = lambda req: EmbeddingResult([[0.5, 0.5]], 7, "fake")
     app = h.client()
@@ -154,8 +154,8 @@ def test_embeddings_count_a_request_and_their_tokens(make_harness, tmp_path):
 def test_the_key_is_read_and_hashed_once_per_request(make_harness, tmp_path, monkeypatch, path, body):
     """Auth, the limits and the queue's fair share all name the client by the key's digest: one read
     of the headers and one sha256 per request serve all three."""
-    from turbospark_wsgi import middleware
-    from turbospark_wsgi.service import EmbeddingResult
+    from turbospark_wsgi.http import middleware
+    from turbospark_wsgi.serving.service import EmbeddingResult
     h = limited(make_harness, tmp_path, rate_file(requests_per_minute=5))
     h.service.embed = lambda req: EmbeddingResult([[0.5, 0.5]], 7, "fake")
     app = h.client()

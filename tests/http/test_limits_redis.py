@@ -8,9 +8,9 @@ import uuid
 import pytest
 
 from test_limits import COMPLETION, KEYS, auth, digest, rate_file, start
-from turbospark_wsgi.limits import Limits
+from turbospark_wsgi.serving.limits import Limits
 
-limits_redis = pytest.importorskip("turbospark_wsgi.limits_redis")     # needs the redis package
+limits_redis = pytest.importorskip("turbospark_wsgi.serving.limits_redis")     # needs the redis package
 RedisStore = limits_redis.RedisStore
 
 

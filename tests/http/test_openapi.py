@@ -9,7 +9,7 @@ import falcon.inspect
 import pytest
 from hypothesis import HealthCheck, Phase, settings
 
-from turbospark_wsgi.schemas.openapi_spec import spec
+from turbospark_wsgi.http.schemas.openapi_spec import spec
 
 schemathesis = pytest.importorskip("schemathesis")
 from schemathesis.checks import not_a_server_error  # noqa: E402

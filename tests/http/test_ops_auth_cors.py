@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from turbospark_wsgi import middleware
+from turbospark_wsgi.http import middleware
 from turbospark_wsgi.config import Config, ConfigError
-from turbospark_wsgi.middleware import _digest, key_matches
+from turbospark_wsgi.http.middleware import _digest, key_matches
 
 KEYS = ("sk-alpha-0123456789", "sk-beta-9876543210")
 
@@ -120,7 +120,7 @@ def test_preflight_is_answered_before_auth(cors):
         "Access-Control-Request-Headers": "authorization, content-type"}, status=204)
     assert r.headers["Access-Control-Allow-Origin"] == ORIGIN
     allowed = r.headers["Access-Control-Allow-Headers"].lower()
-    for name in ("authorization", "x-api-key", "anthropic-version", "content-type"):
+    for name in ("authorization", "x-api-key", "anthropic-version", "content-type", "x-session-affinity"):
         assert name in allowed
     assert {"POST", "DELETE"} <= set(r.headers["Access-Control-Allow-Methods"].replace(" ", "").split(","))
 

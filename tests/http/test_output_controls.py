@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from turbospark_wsgi.app import create_app
+from turbospark_wsgi.http.app import create_app
 from turbospark_wsgi.config import Config
 
 torch = pytest.importorskip("torch")

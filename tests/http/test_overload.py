@@ -2,8 +2,8 @@
 the body is parsed, the model resolved (maybe loaded) or the prompt tokenized."""
 import pytest
 
-from turbospark_wsgi.cancel import CancelToken
-from turbospark_wsgi.service import GenerationRequest
+from turbospark_wsgi.serving.cancel import CancelToken
+from turbospark_wsgi.serving.service import GenerationRequest
 
 ROUTES = {
     "/v1/chat/completions": {"model": "fake", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4},

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from turbospark_wsgi.app import create_app
+from turbospark_wsgi.http.app import create_app
 from turbospark_wsgi.config import Config
 
 TEMPLATES = Path(__file__).parents[1] / "fixtures" / "chat_templates"

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from turbospark_wsgi.resources.responses import ResponseStore
+from turbospark_wsgi.serving.response_store import MemoryResponseStore as ResponseStore
 
 openai_types = pytest.importorskip("openai.types.responses")
 pydantic = pytest.importorskip("pydantic")
@@ -327,31 +327,31 @@ def body(rid, pad=0):
 def test_store_keeps_at_most_size_entries_oldest_out():
     store = ResponseStore(size=2, max_bytes=10 ** 6, ttl=0)
     for rid in ("a", "b", "c"):
-        store.put(body(rid), [{"role": "user", "content": rid}])
-    assert store.get("a") is None and store.get("b") and store.get("c")
+        store.put("", body(rid), [{"role": "user", "content": rid}])
+    assert store.get("", "a") is None and store.get("", "b") and store.get("", "c")
 
 
 def test_store_bytes_count_whole_conversations():
     store = ResponseStore(size=100, max_bytes=3000, ttl=0)
-    store.put(body("a"), [{"role": "user", "content": "x" * 1000}])
-    parent = store.get("a").turn
-    store.put(body("b"), [{"role": "user", "content": "y" * 1000}], parent)     # counts a's turn too
-    assert store.get("a") is None and store.get("b").turn.history()[0]["content"] == "x" * 1000
-    store.put(body("huge", pad=5000), [])                                       # larger than the budget
-    assert store.get("huge") is None and store.get("b") is not None
+    store.put("", body("a"), [{"role": "user", "content": "x" * 1000}])
+    parent = store.get("", "a")
+    store.put("", body("b"), [{"role": "user", "content": "y" * 1000}], parent)     # counts a's turn too
+    assert store.get("", "a") is None and store.get("", "b").history()[0]["content"] == "x" * 1000
+    store.put("", body("huge", pad=5000), [])                                       # larger than the budget
+    assert store.get("", "huge") is None and store.get("", "b") is not None
 
 
 def test_store_ttl_and_size_zero():
     clock = Clock()
     store = ResponseStore(size=10, max_bytes=10 ** 6, ttl=60, clock=clock)
-    store.put(body("a"), [])
+    store.put("", body("a"), [])
     clock.now = 59
-    assert store.get("a") is not None
+    assert store.get("", "a") is not None
     clock.now = 61
-    assert store.get("a") is None
+    assert store.get("", "a") is None
     none = ResponseStore(size=0, max_bytes=10 ** 6, ttl=60)
-    none.put(body("a"), [])
-    assert none.get("a") is None
+    none.put("", body("a"), [])
+    assert none.get("", "a") is None
 
 
 def test_store_settings_come_from_the_environment():

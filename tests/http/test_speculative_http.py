@@ -12,7 +12,7 @@ PROMPT = "Lily and Tom went to the park. Lily and Tom went to the park. Lily and
 
 def app_client(mode):
     import webtest
-    from turbospark_wsgi.app import create_app
+    from turbospark_wsgi.http.app import create_app
     from turbospark_wsgi.config import Config
     config = Config(models_dir=str(MODEL.parent), model="stories260K", device="cpu", load_default=False,
                     keepalive=0.5, speculative=mode)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from turbospark_wsgi.app import create_app
+from turbospark_wsgi.http.app import create_app
 from turbospark_wsgi.config import Config
 
 jsonschema = pytest.importorskip("jsonschema")

@@ -6,9 +6,9 @@ from pathlib import Path
 import pytest
 
 from turbospark_wsgi.config import Config
-from turbospark_wsgi.resources.webui import FILES
+from turbospark_wsgi.http.resources.webui import FILES
 
-STATIC = Path(__file__).resolve().parents[2] / "turbospark_wsgi" / "static"
+STATIC = Path(__file__).resolve().parents[2] / "turbospark_wsgi" / "http" / "static"
 
 
 def test_root_serves_the_page_with_a_strict_csp(client):

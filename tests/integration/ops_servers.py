@@ -62,8 +62,11 @@ def sse_data(body):
 class Server:
     """gunicorn on loopback: `app` is a WSGI path, `settings` become TURBOSPARK_* variables."""
 
-    def __init__(self, workdir, app="turbospark_wsgi.wsgi:app", worker_class="gthread", env=None, **settings):
-        self.port = free_port()
+    def __init__(self, workdir, app="turbospark_wsgi.wsgi:app", worker_class="gthread", env=None, argv=None,
+                 port=None, **settings):
+        """`argv`: the command instead of gunicorn with the repository's gunicorn.conf.py; `env`
+        goes over every other variable."""
+        self.port = port or free_port()
         self.log = Path(workdir) / f"gunicorn-{self.port}.log"
         environ = dict(os.environ, TURBOSPARK_HOST="127.0.0.1", TURBOSPARK_PORT=str(self.port),
                        TURBOSPARK_WORKER_CLASS=worker_class, TURBOSPARK_DEVICE="cpu", PYTHONUNBUFFERED="1",
@@ -72,7 +75,8 @@ class Server:
         settings.setdefault("max_batch", 1)
         environ.update({f"TURBOSPARK_{k.upper()}": str(v) for k, v in settings.items()})
         environ.update(env or {})
-        cmd = [sys.executable, "-m", "gunicorn", "-c", str(REPO / "gunicorn.conf.py"), "--no-control-socket", app]
+        cmd = argv or [sys.executable, "-m", "gunicorn", "-c", str(REPO / "gunicorn.conf.py"),
+                       "--no-control-socket", app]
         with self.log.open("wb") as log:
             self.proc = subprocess.Popen(cmd, cwd=REPO, env=environ, stdout=log, stderr=subprocess.STDOUT,
                                          start_new_session=True)
@@ -102,9 +106,10 @@ class Server:
     def worker_rss(self):
         return sum(psutil.Process(pid).memory_info().rss for pid in self.worker_pids())
 
-    def metric(self, name, **labels):
-        """The sum of the samples of `name` whose labels include `labels`, from /metrics."""
-        text = self.get("/metrics")[2].decode()
+    def metric(self, name, headers=None, **labels):
+        """The sum of the samples of `name` whose labels include `labels`, from /metrics (asked with
+        `headers`, e.g. a key)."""
+        text = self.get("/metrics", headers=headers)[2].decode()
         total = 0.0
         for line in text.splitlines():
             if not line.startswith(name + "{") and not line.startswith(name + " "):
@@ -169,3 +174,34 @@ http {{
 {http_body}
 }}
 """
+
+
+class ReplicaNginx:
+    """Real nginx on a free loopback port with `template` (an nginx config of the repository, its
+    upstream `turbospark`) in front of `upstream_ports`; skips the test without nginx."""
+
+    def __init__(self, workdir, template, upstream_ports):
+        binary = nginx_binary()
+        if binary is None:
+            pytest.skip("nginx binary absent")
+        self.prefix = Path(workdir) / "nginx"
+        (self.prefix / "logs").mkdir(parents=True, exist_ok=True)
+        self.port = free_port()
+        conf = self.prefix / "nginx.conf"
+        conf.write_text(replica_conf(template, self.prefix, self.port, upstream_ports))
+        self.proc = subprocess.Popen([binary, "-p", str(self.prefix), "-c", str(conf)], stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.PIPE, start_new_session=True)
+        deadline = time.monotonic() + 20
+        while request(self.port, "GET", "/health", timeout=2)[0] != 200:
+            assert self.proc.poll() is None and time.monotonic() < deadline, self.proc.stderr.read().decode()
+            time.sleep(0.1)
+
+    def error_log(self, tail=2000):
+        return (self.prefix / "logs" / "error.log").read_text()[-tail:]
+
+    def stop(self):
+        self.proc.send_signal(signal.SIGQUIT)
+        try:
+            self.proc.wait(5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()

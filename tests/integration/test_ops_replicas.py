@@ -5,56 +5,34 @@ import http.client
 import json
 import os
 import signal
-import subprocess
 import threading
 import time
 from collections import Counter
 
 import pytest
 
-from ops_servers import REPO, Server, free_port, models_dir_with_stories, replica_conf, request
+from ops_servers import REPO, ReplicaNginx, Server, models_dir_with_stories, request
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 TEMPLATE = REPO / "tools" / "nginx" / "turbospark-replicas.conf"
 
 
-def nginx_binary():
-    import shutil
-    return shutil.which("nginx") or next((p for p in ("/usr/sbin/nginx", "/usr/local/sbin/nginx")
-                                          if os.access(p, os.X_OK)), None)
-
-
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    binary = nginx_binary()
-    if binary is None:
-        pytest.skip("nginx binary absent")
     work = tmp_path_factory.mktemp("replicas")
     models = models_dir_with_stories(work / "models")
     replicas = {rid: Server(work, models=models, model="stories", replica_id=rid, max_waiting=16, threads=32)
                 for rid in ("r1", "r2")}
-    for srv in replicas.values():
-        srv.wait_ready()
-    prefix = work / "nginx"
-    (prefix / "logs").mkdir(parents=True)
-    port = free_port()
-    conf = prefix / "nginx.conf"
-    conf.write_text(replica_conf(TEMPLATE, prefix, port, [s.port for s in replicas.values()]))
-    proc = subprocess.Popen([binary, "-p", str(prefix), "-c", str(conf)], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, start_new_session=True)
-    deadline = time.monotonic() + 20
-    while request(port, "GET", "/health", timeout=2)[0] != 200:
-        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read().decode()
-        time.sleep(0.1)
-    yield port, replicas, prefix
-    proc.send_signal(signal.SIGQUIT)
     try:
-        proc.wait(5)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-    for srv in replicas.values():
-        srv.stop()
+        for srv in replicas.values():
+            srv.wait_ready()
+        nginx = ReplicaNginx(work, TEMPLATE, [s.port for s in replicas.values()])
+        yield nginx.port, replicas, nginx.prefix
+        nginx.stop()
+    finally:
+        for srv in replicas.values():
+            srv.stop()
 
 
 def completion(stream, max_tokens=24):

@@ -15,6 +15,8 @@ import time
 import psutil
 import pytest
 
+from turbospark_wsgi.config import Config
+
 from ops_servers import REPO, Server, free_port, nginx_binary, nginx_conf, request
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -130,10 +132,54 @@ def test_slow_and_short_bodies_get_a_4xx_in_time(server):
                            lambda: exchange(server.port, short, half_close=True)])
     (huge_status, huge_body, huge_s), (stall_status, stall_body, stall_s), (msg_status, msg_body, _), \
         (short_status, short_body, _) = results
-    assert huge_status == 408 and huge_body["error"]["code"] == "request_timeout" and huge_s < TIMEOUT + 3
+    assert huge_status == 400 and "64 bits" in huge_body["error"]["message"] and huge_s < TIMEOUT + 3
     assert stall_status == 408 and stall_body["error"]["code"] == "request_timeout" and stall_s < TIMEOUT + 3
     assert msg_status == 408 and msg_body["type"] == "error"
     assert short_status == 400 and "ended after" in short_body["error"]["message"], short_body
+
+
+# The answers a request's first bytes already decide come at once: a 408 would mean the server waited
+# for the rest (each of these failed so before the workers framed requests with h11).
+MAX_BODY = Config().max_body
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/messages"])
+def test_a_content_length_over_the_limit_is_a_413_at_once(server, path):
+    """Only part of the body follows: the length alone decides, so the server must not wait for it."""
+    status, body, _ = exchange(server.port, head(path, Content_Length=MAX_BODY + 1) + BODY)
+    assert status == 413, body
+    assert body["type"] == "error" if path == "/v1/messages" else body["error"]["code"] == "request_too_large"
+
+
+def test_expect_continue_over_the_limit_gets_the_final_413_and_no_100(server):
+    """RFC 9110 10.1.1: a server that refuses the request sends its final status, not 100 first."""
+    status, body, _ = exchange(server.port, head(Content_Length=MAX_BODY + 1, Expect="100-continue"))
+    assert status == 413, body
+
+
+def test_expect_continue_within_the_limit_still_gets_its_100_and_an_answer(server):
+    with socket.create_connection(("127.0.0.1", server.port), timeout=TIMEOUT + 6) as s:
+        s.sendall(head(Content_Length=len(BODY), Expect="100-continue"))
+        first = s.recv(65536)
+        assert first.startswith(b"HTTP/1.1 100 Continue\r\n\r\n"), first
+        s.sendall(BODY)
+        status, body = parse(first[25:] + read_response(s))
+    assert status == 200 and body["choices"][0]["text"], body
+
+
+@pytest.mark.parametrize("size", [b"10000000000000000", b"fffffffffffffffff0"])
+def test_a_chunk_size_of_64_bits_or_more_is_a_400_at_once(server, size):
+    for path, payload in (("/v1/completions", BODY), ("/v1/messages", MESSAGES)):
+        status, body, _ = exchange(server.port, chunked(path, size + b"\r\n" + payload))
+        assert status == 400 and "64 bits" in json.dumps(body), (path, status, body)
+
+
+@pytest.mark.parametrize("line", [b"GET /\r\n", b"GET /health\r\n"])
+def test_an_http_0_9_request_line_is_a_400_at_once(server, line):
+    with socket.create_connection(("127.0.0.1", server.port), timeout=TIMEOUT + 6) as s:
+        s.sendall(line)
+        raw = read_response(s)
+    assert raw.startswith(b"HTTP/1.1 400 "), raw[:100]
 
 
 # ---- log lines ------------------------------------------------------------------------------------

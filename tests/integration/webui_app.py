@@ -4,10 +4,10 @@ that the page can be stopped mid-answer."""
 import importlib.util
 from pathlib import Path
 
-from turbospark_wsgi.app import create_app
+from turbospark_wsgi.http.app import create_app
 from turbospark_wsgi.config import Config
-from turbospark_wsgi.registry import Registry
-from turbospark_wsgi.service import Service
+from turbospark_wsgi.serving.registry import Registry
+from turbospark_wsgi.serving.service import Service
 
 _spec = importlib.util.spec_from_file_location("suite_conftest", Path(__file__).resolve().parents[1] / "conftest.py")
 _suite = importlib.util.module_from_spec(_spec)

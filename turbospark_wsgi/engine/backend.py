@@ -13,6 +13,7 @@ class Backend:
     xp: object          # numpy or cupy
     name: str           # "numpy" | "cupy"
     reason: str
+    kernels: object = None   # cupy: gpu.launch.Kernels for GGUF blocks (None when they do not compile)
 
     def synchronize(self):
         if self.name == "cupy":
@@ -29,7 +30,8 @@ def select_backend(device=None):
         return Backend(np, "numpy", "cpu requested")
     cupy, problem = _probe_cupy()
     if cupy is not None:
-        return Backend(cupy, "cupy", "CUDA device usable")
+        kernels, why = _device_kernels(cupy)
+        return Backend(cupy, "cupy", "CUDA device usable" + why, kernels)
     if device == "cuda":
         raise RuntimeError(f"device 'cuda' requested but unusable: {problem}")
     return Backend(np, "numpy", f"no usable GPU: {problem}")
@@ -50,6 +52,16 @@ def _probe_cupy():
     except Exception as exc:
         return None, f"CUDA smoke computation failed ({type(exc).__name__}: {exc})"
     return cupy, None
+
+
+def _device_kernels(cupy):
+    """(the block kernels compiled for the device, "") or (None, why not): without them the
+    device runs float32 weights."""
+    from .gpu.launch import device_kernels
+    try:
+        return device_kernels(cupy), ""
+    except Exception as exc:   # NVRTC or driver errors, of CuPy's own types
+        return None, f"; quantized kernels unavailable ({type(exc).__name__}: {exc})"
 
 
 def to_host(a):

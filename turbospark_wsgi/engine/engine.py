@@ -50,6 +50,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.name = name or _model_id(loaded.path)
         self.backend, self.backend_reason = loaded.backend, loaded.backend_reason
+        self.kernels = loaded.kernels          # the CPU kernels it runs and why ("" on a GPU)
         cap = self.config.max_seq_len
         self.max_context = min(cap, options.max_context) if options.max_context else cap
         self.prefill_chunk = options.prefill_chunk
@@ -108,7 +109,7 @@ class Engine:
         NOTE(precision): with the float32 kernels, whatever TURBOSPARK_ACTIVATIONS says for generation.
         int8 activations moved SmolLM2-135M's vectors to cosine 0.9967 of the float32 ones (median
         0.9992) and changed a nearest-neighbour ranking; float32 equals transformers' (cosine 1.0)."""
-        from . import kernels_cpu
+        from .kernels import cpu as kernels_cpu
         out = np.empty((len(sequences), self.dim), dtype=np.float32)
         with kernels_cpu.activations_as("float32"):
             for row, ids in enumerate(sequences):
@@ -149,24 +150,25 @@ class Engine:
         return ThinkingBudget(budget, self.encode(open_tag, add_bos=False), self.encode(close_tag, add_bos=False),
                               prompt_ids, self.config.vocab_size)
 
-    def generate(self, prompt_ids, params, should_stop=None, client=""):
+    def generate(self, prompt_ids, params, should_stop=None, client="", cache_salt=""):
         """Events for one run (see engine/__init__). Runs that are alive at the same time share
         decode steps, the batch's rows shared fairly between `client`s; one `next()` runs at most
-        one step when no event is waiting."""
+        one step when no event is waiting. Only runs with the same `cache_salt` share cached
+        prompt prefixes."""
         prompt_ids = [int(t) for t in prompt_ids]
         self._check_prompt(prompt_ids)
-        return self._run(prompt_ids, params, should_stop, client)
+        return self._run(prompt_ids, params, should_stop, client, cache_salt)
 
-    def _run(self, prompt_ids, params, should_stop, client=""):
-        return self._events(self.scheduler.add(prompt_ids, params, should_stop, client))
+    def _run(self, prompt_ids, params, should_stop, client="", cache_salt=""):
+        return self._events(self.scheduler.add(prompt_ids, params, should_stop, client, cache_salt))
 
-    def score(self, prompt_ids, top=0, should_stop=None, client=""):
+    def score(self, prompt_ids, top=0, should_stop=None, client="", cache_salt=""):
         """Events that score the prompt: Prefill progress and Scores (the log-probability of every
         prompt token given the ones before it, the first None), then Finish. Like `generate`, one
         `next()` runs at most one step, shared with the other runs, and `should_stop` cancels it."""
         prompt_ids = [int(t) for t in prompt_ids]
         self._check_prompt(prompt_ids)
-        return self._events(self.scheduler.add_scoring(prompt_ids, top, should_stop, client))
+        return self._events(self.scheduler.add_scoring(prompt_ids, top, should_stop, client, cache_salt))
 
     def _events(self, seq):
         try:

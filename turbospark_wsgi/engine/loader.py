@@ -5,10 +5,10 @@ from dataclasses import dataclass
 
 from .backend import select_backend
 from .config import ModelConfig
-from . import kernels_cpu
+from .kernels import cpu as kernels_cpu, warm
 from .gguf import GGUFFile, ggml_type_name, model_config_from_gguf
 from .model import Transformer
-from .options import apply, resolve
+from .options import apply, kernel_plan, resolve
 from .safetensors_io import SafetensorsDir, model_config_from_hf
 from .weights import layer_shapes, load_quantized_weights, load_weights, tensor_name
 
@@ -27,6 +27,7 @@ class LoadedModel:
     path: str
     backend: str         # "numpy" | "cupy"
     backend_reason: str
+    kernels: str = ""    # the CPU kernels it runs and why (KernelPlan.describe); "" on a GPU
 
 
 def load_model(path, options=None, **overrides):
@@ -56,19 +57,26 @@ def _load(path, options):
     else:
         kind, metadata, cfg, source = "gguf", *_open_gguf(path)
     _check_shapes(cfg, source, kind)
-    if _quantized(options.weights, kind, backend.name):
-        tensors = load_quantized_weights(cfg, source)
+    plan = kernel_plan(options)
+    if backend.kernels is not None and kind == "gguf" and options.weights != "fp32":
+        from .gpu.model import load_device_model     # GGUF blocks on the device
+        model = load_device_model(cfg, source, backend.kernels)
+    elif _quantized(options.weights, kind, backend.name):
+        model = Transformer(cfg, load_quantized_weights(cfg, source, plan), backend.xp, plan)
         kernels_cpu.limit_blas_threads(1)
     else:
-        tensors = load_weights(cfg, source, kind, backend.xp)
-    model = Transformer(cfg, tensors, backend.xp)
+        model = Transformer(cfg, load_weights(cfg, source, kind, backend.xp), backend.xp, plan)
     if model.fused_attention:
         # NOTE(cold-start): the kernels compile (or load from numba's cache) here, so a server says
-        # it is ready only once its first request runs at full speed
-        kernels_cpu.warmup()
-        if model.fused:
-            model.warm_layers()
-    return LoadedModel(cfg, model, metadata, kind, path, backend.name, backend.reason)
+        # it is ready only once its first request runs at full speed; once per machine, the float
+        # kernels in a second process (kernels/warm.py)
+        with warm.compiling(plan.isa):
+            kernels_cpu.warmup(plan.isa, groups=("int8",))
+            if model.fused:
+                model.warm_layers()
+        kernels_cpu.warmup(plan.isa, groups=("float",))
+    return LoadedModel(cfg, model, metadata, kind, path, backend.name, backend.reason,
+                       plan.describe() if backend.name == "numpy" else "")
 
 
 def weight_storage(path):
@@ -106,7 +114,7 @@ def _without_path(e):
 def _quantized(choice, kind, backend):
     if choice == "fp32" or kind != "gguf" or backend != "numpy":
         return False
-    from . import kernels_cpu
+    from .kernels import cpu as kernels_cpu
     if choice == "quant" and not kernels_cpu.AVAILABLE:
         raise ValueError("quantized weights need numba (pip install numba)")
     return kernels_cpu.AVAILABLE

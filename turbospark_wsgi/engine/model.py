@@ -1,9 +1,11 @@
 """The transformer forward pass (llama family), written against an array module `xp`."""
 import numpy as np
 
-from . import kernels_cpu, kernels_layer, yielding
+from . import yielding
+from .kernels import cpu as kernels_cpu, layer as kernels_layer
 from .backend import to_host
 from .kv_cache import KVCache
+from .options import EngineOptions, kernel_plan
 
 ATTN_BLOCK = 128   # prefill attention blocks: positions [k*128, (k+1)*128) see keys up to the block's end
 # NOTE(exact-prefix): BLAS picks other kernels for products of few rows; from 32 rows up (measured on
@@ -19,8 +21,9 @@ SMALL_WINDOW = 16
 class Transformer:
     """A decoder-only transformer: RMSNorm, rotary attention with GQA, SwiGLU, tied or separate head."""
 
-    def __init__(self, cfg, weights, xp):
+    def __init__(self, cfg, weights, xp, plan=None):
         self.cfg, self.w, self.xp = cfg, weights, xp
+        self.plan = plan or kernel_plan(EngineOptions())       # the CPU kernels this model runs
         self.inv_freq = rope_inv_freq(cfg, weights.rope_freqs)    # host float64 [rope_dim / 2]
         # rotary tables: [0] global layers, [1] local (sliding-window) layers with their own base
         self._inv_freqs = [self.inv_freq] + ([rope_inv_freq(cfg, theta=cfg.rope_local_theta)]
@@ -35,10 +38,10 @@ class Transformer:
 
     @property
     def fused(self):
-        """Whether this call runs each layer as one kernel (kernels_layer): numpy backend, int8
-        activations, every product one part on the int8 kernels, and the switch on. Prompts and
-        decode steps alike, so positions keep the same bits either way they were computed."""
-        if not (kernels_layer.ENABLED and kernels_cpu.ACTIVATIONS == "int8" and self.xp is np):
+        """Whether this call runs each layer as one kernel (kernels/layer.py): numpy backend, int8
+        activations, every product one part on the int8 kernels, and the plan's switch on. Prompts
+        and decode steps alike, so positions keep the same bits either way they were computed."""
+        if not (self.plan.fused and (kernels_cpu.ACTIVATIONS or self.plan.activations) == "int8" and self.xp is np):
             return False
         if self._layer_args is None:
             args = [kernels_layer.layer_args(self.cfg, lw) for lw in self.w.layers]
@@ -195,16 +198,17 @@ class Transformer:
         kv = kernels_layer.addresses(caches)
         ropes = [self._rope_table(int(at.max()) + 1, k) for k in range(len(self._inv_freqs))]
         self.w.layers[0].wqkv.use_threads(len(x))
+        layer = kernels_layer.LAYER[self.plan.isa]
         for i, args in enumerate(self._layer_args):
             yielding.point()                                            # NOTE(front-door): see yielding.py
-            kernels_layer.layer(x, seq, at, kv, i, self._layer_window[i], *ropes[self._layer_rope[i]], *args)
+            layer(x, seq, at, kv, i, self._layer_window[i], *ropes[self._layer_rope[i]], *args)
         return x
 
     def warm_layers(self):
         """Compiles (or loads from numba's cache) the fused layer kernel: one token through the
         first layer into a scratch cache, outside any forward pass (so no yielding gate is asked)."""
         one, cache = np.zeros(1, np.int64), self.new_cache(1)
-        kernels_layer.layer(self._embed(one), one, one, kernels_layer.addresses([cache]), 0, self._layer_window[0],
+        kernels_layer.LAYER[self.plan.isa](self._embed(one), one, one, kernels_layer.addresses([cache]), 0, self._layer_window[0],
                             *self._rope_table(1, self._layer_rope[0]), *self._layer_args[0])
 
     def _heads(self, qkv, lw, rows):

@@ -1,12 +1,14 @@
 """How to load and run a model: one frozen object, built by the server's Config (TURBOSPARK_*) or by
-hand. Nothing in engine/ reads the environment; `apply` puts the process-wide settings in force and
-is called by load_model, never at import."""
+hand. Nothing in engine/ reads or writes the environment. `kernel_plan` turns a model's options into
+the kernels it runs (kept on that model: two models in one process may differ); `apply` puts the
+few process-wide kernel thresholds in force and is called by load_model, never at import."""
 import dataclasses
 from dataclasses import dataclass
 
 DEVICES = ("auto", "cpu", "cuda")
 WEIGHTS = ("auto", "quant", "fp32")
-ACTIVATIONS = ("int8", "float32")
+ACTIVATIONS = ("auto", "int8", "float32")
+INT8_PATHS = ("auto", "vnni512", "avxvnni", "avx2", "neon", "generic")   # isa.PATHS
 SPECULATIVE = ("auto", "on", "off")
 
 
@@ -19,15 +21,16 @@ class EngineOptions:
     prefill_chunk: int = 128        # prompt tokens per prefill step
     max_batch: int = 8              # sequences decoded together (and KV slots kept)
     max_paused: int = 0             # KV slots beyond the batch for sequences waiting paused
-    # PERF(prefill): the measurements behind these two are in kernels_cpu (GEMV_MAX_B, SINGLE_ROW_THREADS)
+    # PERF(prefill): the measurements behind these two are in kernels/cpu.py (GEMV_MAX_B, SINGLE_ROW_THREADS)
     gemv_max_b: int = 256           # rows up to which quantized products run the fused kernels, not BLAS
     single_row_threads: int = 0     # cap on the numba threads of a one-row product; 0 = none
     # int8: activations quantized per block of 32, integer dot products; float32: the float kernels;
-    # None: as the process has them (kernels_cpu.ACTIVATIONS, int8 unless set)
-    activations: str | None = None
+    # auto (or None): int8 where the CPU has integer-dot instructions (isa.py), else float32
+    activations: str | None = "auto"
     encoder_threads: int = 1        # BLAS threads of an embedding encoder's products (encoder.py)
-    int8_vnni: bool = True          # AVX-512 VNNI integer dots where the CPU has them (kernels_q8)
-    fused_layers: bool = True       # int8 on the CPU: each layer one kernel call (kernels_layer); off: step by step
+    int8_vnni: bool = True          # VNNI integer dots where the CPU has them (off: auto skips them)
+    int8_isa: str = "auto"          # the int8 dots' instructions: auto (best the CPU has) or an isa.PATHS name
+    fused_layers: bool = True       # int8 on the CPU: each layer one kernel call (kernels/layer.py); off: step by step
     # speculative decoding (speculative.py): auto, where proposals pay; on: whenever there are some; off
     speculative: str = "auto"
     speculative_tokens: int = 8     # tokens proposed per sequence and step, at most
@@ -37,7 +40,9 @@ class EngineOptions:
         if self.weights not in WEIGHTS:
             raise ValueError(f"weights must be auto, quant or fp32, not {self.weights!r}")
         if self.activations not in (None, *ACTIVATIONS):
-            raise ValueError(f"activations must be int8 or float32, not {self.activations!r}")
+            raise ValueError(f"activations must be auto, int8 or float32, not {self.activations!r}")
+        if self.int8_isa not in INT8_PATHS:
+            raise ValueError(f"int8_isa must be one of {', '.join(INT8_PATHS)}, not {self.int8_isa!r}")
         if self.speculative not in SPECULATIVE:
             raise ValueError(f"speculative must be auto, on or off, not {self.speculative!r}")
         if self.speculative_tokens < 0:
@@ -51,11 +56,47 @@ def resolve(options, overrides):
     return dataclasses.replace(options or EngineOptions(), **{k: v for k, v in overrides.items() if v is not None})
 
 
+@dataclass(frozen=True, slots=True)
+class KernelPlan:
+    """The CPU kernels one model runs: `activations` "int8" or "float32", `isa` the int8 dots'
+    instruction path (isa.PATHS), `fused` each layer one kernel call (int8 only), and why."""
+
+    activations: str
+    isa: str
+    fused: bool
+    reason: str
+
+    def describe(self):
+        """One line for the startup log and `turbospark models`."""
+        layers = "fused layers" if self.fused and self.activations == "int8" else "step by step"
+        dots = f", integer dots: {self.isa}" if self.activations == "int8" else ""
+        return f"{self.activations} activations{dots}, {layers} ({self.reason})"
+
+
+def kernel_plan(options):
+    """The KernelPlan for EngineOptions `options` on this CPU.
+
+    PERF(isa): auto activations take int8 only where the CPU has integer-dot instructions. With
+    plain vector code (the generic path) the int8 kernels lost to the float ones: SmolLM2-135M on a
+    Zen 3 (AVX2 dots not yet used) prefilled 53 tok/s and decoded 34 with int8, 152 and 39 with
+    float32; with vpmaddubsw (the avx2 path) int8 wins (README, tools/bench.py)."""
+    from .kernels import int8 as kernels_q8
+    choice = kernels_q8.choose(options.int8_isa, options.int8_vnni)
+    act = options.activations or "auto"
+    if act == "auto":
+        if kernels_q8.AVAILABLE and choice.path != "generic":
+            act, why = "int8", choice.reason
+        else:
+            act, why = "float32", "auto: no integer-dot instructions, the float kernels are faster"
+    else:
+        why = f"{act} requested" + (f"; {choice.reason}" if act == "int8" else "")
+    if act == "int8" and not kernels_q8.AVAILABLE:
+        act, why = "float32", "int8 requested but numba is absent"
+    return KernelPlan(act, choice.path, bool(options.fused_layers), why)
+
+
 def apply(options):
-    """Puts the options' process-wide settings in force: the CPU kernels' thresholds and how their
-    threads wait. Called by load_model before any kernel runs."""
-    from . import kernels_cpu, kernels_layer, kernels_q8
-    kernels_q8.use_vnni(options.int8_vnni)
-    kernels_layer.configure(options.fused_layers)
-    kernels_cpu.configure(gemv_max_b=options.gemv_max_b, single_row_threads=options.single_row_threads,
-                          activations=options.activations or kernels_cpu.ACTIVATIONS)
+    """Puts the options' process-wide settings in force: the CPU kernels' thresholds. Called by
+    load_model before any kernel runs."""
+    from .kernels import cpu as kernels_cpu
+    kernels_cpu.configure(gemv_max_b=options.gemv_max_b, single_row_threads=options.single_row_threads)

@@ -14,7 +14,12 @@ def common_prefix(a, b):
 
 class Slot:
     """One KV cache and the token ids whose K/V it holds. The first `exact_len` ids hold K/V that a run
-    without the cache would compute bit for bit, so a later prompt that starts with them reuses them.
+    without the cache would compute bit for bit, so a later prompt that starts with them reuses them,
+    if it comes with the same `salt`.
+
+    NOTE(salt): runs with different salts (API keys kept apart, or a request's cache_salt) never
+    reuse each other's ids: a cache hit shortens the time to the first token, which would tell
+    one client that another has sent the same prefix. A slot changing salts starts empty.
 
     Which ids are exact depends on the model. Where `model.decode_exact` (quantized products and
     fused attention on the CPU: every row computed on its own), every position, the reply's decode
@@ -23,15 +28,19 @@ class Slot:
     (reused in whole tokens), while short prompts and decode steps run on few-row products whose
     bits differ. Otherwise only whole prefill chunks aligned to multiples of the chunk size."""
 
-    __slots__ = ("cache", "ids", "exact_len", "busy", "used", "granule", "every_row")
+    __slots__ = ("cache", "ids", "exact_len", "busy", "used", "granule", "every_row", "salt")
 
     def __init__(self, cache, granule, every_row=False):
         self.cache, self.ids, self.exact_len, self.busy, self.used = cache, [], 0, False, 0
         self.granule = granule      # 1 where any prefix is exact, else the prefill chunk (also
                                     # when chunks are short windows themselves)
         self.every_row = every_row  # short prompts and decode steps are exact too
+        self.salt = ""
 
-    def reusable(self, prompt):
+    def reusable(self, prompt, salt=None):
+        """Leading ids of `prompt` this slot can give a run salted `salt` (None: the slot's own)."""
+        if salt is not None and salt != self.salt:
+            return 0
         # NOTE(prefix-cache): the last prompt token always runs, so there are logits to sample from
         n = min(common_prefix(self.ids, prompt), self.exact_len, len(prompt) - 1)
         return n - n % self.granule
@@ -43,6 +52,12 @@ class Slot:
 
     def forget(self):
         self.keep(0)
+
+    def claim(self, salt):
+        """Takes the slot for a run salted `salt`: another salt's ids are forgotten."""
+        if salt != self.salt:
+            self.forget()
+            self.salt = salt
 
     def pieces(self, prompt, chunk):
         """The next prompt piece to run after the held ids, and whether it runs row-exact."""

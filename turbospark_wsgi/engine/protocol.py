@@ -61,11 +61,13 @@ class TextEngine(Protocol):
                         close_tag: str = "</think>") -> Any:
         """A SamplingParams.constraint closing the think tag after `budget` reasoning tokens."""
 
-    def generate(self, prompt_ids: Sequence[int], params, should_stop=None, client: str = "") -> Iterator:
+    def generate(self, prompt_ids: Sequence[int], params, should_stop=None, client: str = "",
+                 cache_salt: str = "") -> Iterator:
         """Prefill progress, Tokens (Paused while it waits for a row of the batch), then one Finish
-        (engine.events)."""
+        (engine.events). Only runs with the same `cache_salt` share cached prompt prefixes."""
 
-    def score(self, prompt_ids: Sequence[int], top: int = 0, should_stop=None, client: str = "") -> Iterator:
+    def score(self, prompt_ids: Sequence[int], top: int = 0, should_stop=None, client: str = "",
+              cache_salt: str = "") -> Iterator:
         """Prefill progress and Scores for every prompt token (the first None), then one Finish."""
 
 

@@ -182,26 +182,37 @@ class Scheduler:
         self.steps = 0              # steps run so far
         self._clock = 0             # acquisition counter, for least-recently-used slot reuse
 
-    def add(self, prompt, params, should_stop=None, client=""):
-        return self._start(Sequence, prompt, params, should_stop, client)
+    def add(self, prompt, params, should_stop=None, client="", salt=""):
+        return self._start(Sequence, prompt, params, should_stop, client, salt)
 
-    def add_scoring(self, prompt, top, should_stop=None, client=""):
-        return self._start(Scoring, prompt, top, should_stop, client)
+    def add_scoring(self, prompt, top, should_stop=None, client="", salt=""):
+        return self._start(Scoring, prompt, top, should_stop, client, salt)
 
-    def _start(self, kind, prompt, options, should_stop, client):
-        seq = kind(self.acquire(prompt), self.tokenizer, prompt, options, should_stop, self.chunk, self.max_context)
+    def _start(self, kind, prompt, options, should_stop, client, salt):
+        slot = self.acquire(prompt, salt)
+        seq = kind(slot, self.tokenizer, prompt, options, should_stop, self.chunk, self.max_context)
         seq.client = client
         self.active.append(seq)
         return seq
 
-    def acquire(self, prompt):
-        """A free slot: the one holding the longest reusable prefix of `prompt`; without any, a new
-        slot while fewer than max_batch exist, else the least recently used (so a warm prefix
-        survives unrelated requests as long as it can); with none free, a new one up to
-        max_batch + max_paused (see `release`)."""
+    def acquire(self, prompt, salt=""):
+        """A free slot: the one holding the longest prefix of `prompt` reusable under `salt`; without
+        any, a new slot while fewer than max_batch exist, else the least recently used (so a warm
+        prefix survives unrelated requests as long as it can); with none free, a new one up to
+        max_batch + max_paused (see `release`).
+
+        NOTE(related): a slot counts as related only when the prompt reuses at least as many of its
+        ids as it would throw away. Chats all start with the same few template tokens; without
+        this, a new conversation would take over the slot of another one (reusing those few
+        tokens, dropping the rest) and that conversation's next turn would find nothing."""
         free = [s for s in self.slots if not s.busy]
-        best = max(free, key=lambda s: (s.reusable(prompt), -s.used), default=None)
-        if best is None or best.reusable(prompt) == 0:
+
+        def related(slot):
+            n = slot.reusable(prompt, salt)
+            return n if n >= len(slot.ids) - n else 0
+
+        best = max(free, key=lambda s: (related(s), -s.used), default=None)
+        if best is None or related(best) == 0:
             if len(self.slots) < (self.max_batch if free else self.max_slots):
                 every_row = self.model.decode_exact
                 granule = 1 if every_row or (self.chunk > SMALL_WINDOW and self.model.rows_exact) else self.chunk
@@ -213,6 +224,7 @@ class Scheduler:
             raise RuntimeError(f"all {self.max_slots} sequence slots are busy")
         self._clock += 1
         best.busy, best.used = True, self._clock
+        best.claim(salt)
         return best
 
     def poll(self, seq):

@@ -226,11 +226,12 @@ def _upload_t(w, xp):
     return xp.asarray(np.ascontiguousarray(w.T, dtype=np.float32))
 
 
-def load_quantized_weights(cfg, source):
+def load_quantized_weights(cfg, source, plan=None):
     """GGUF weights with every supported matrix kept in its quantized block form (numpy backend):
-    `x @ QLinear` reads the blocks directly. A fused matrix with any unsupported part, and every
+    `x @ QLinear` reads the blocks directly, with the kernels of KernelPlan `plan`. A fused matrix with any unsupported part, and every
     vector, is float32 as in `load_weights`."""
-    from . import kernels_cpu, quant
+    from . import quant
+    from .kernels import cpu as kernels_cpu
 
     def kept(names, layer=None):
         """Whether every tensor in `names` can stay in block form (looked up, not read)."""
@@ -253,7 +254,7 @@ def load_quantized_weights(cfg, source):
         # without a block kernel is read once, as float32, and its other parts are not decoded first
         if not kept(names, layer):
             return fp32()
-        return kernels_cpu.QLinear(quant.pack([blocks(ours, layer) for ours in names]))
+        return kernels_cpu.QLinear(quant.pack([blocks(ours, layer) for ours in names]), plan=plan)
 
     def qkv(i):
         wq, wk, wv = qkv_parts(cfg, lambda ours: blocks(ours, i))
@@ -262,7 +263,7 @@ def load_quantized_weights(cfg, source):
             wk = wk.map_rows(lambda a: unpermute_rotary_rows(a, cfg.n_kv_head))
         if not cfg.qk_norm:
             wq = wq.scaled(query_scale(cfg))
-        return kernels_cpu.QLinear(quant.pack([wq, wk, wv]))
+        return kernels_cpu.QLinear(quant.pack([wq, wk, wv]), plan=plan)
 
     def layer(i):
         def get(ours):
@@ -279,7 +280,7 @@ def load_quantized_weights(cfg, source):
             w_down=linear(["w_down"], i, lambda: _upload_t(get("w_down"), np)),
             bqkv=bqkv, q_norm=q_norm, k_norm=k_norm)
 
-    head, tok_embd = _quantized_head(cfg, source, kept, blocks, kernels_cpu, quant)
+    head, tok_embd = _quantized_head(cfg, source, kept, blocks, kernels_cpu, quant, plan)
     rope_name = tensor_name("rope_freqs", "gguf")
     return Weights(
         layers=[layer(i) for i in range(cfg.n_layer)], norm=fetch(source, "norm", "gguf"),
@@ -287,11 +288,11 @@ def load_quantized_weights(cfg, source):
         rope_freqs=source.tensor(rope_name) if rope_name in source.names else None)
 
 
-def _quantized_head(cfg, source, kept, blocks, kernels_cpu, quant):
+def _quantized_head(cfg, source, kept, blocks, kernels_cpu, quant, plan):
     """(head, tok_embd): block form where supported; float32 (tok_embd None when tied) otherwise."""
     embd_ours = "tok_embd" if cfg.tied_embeddings else "head"
     head_q = quant.pack(blocks(embd_ours)) if kept([embd_ours]) else None
-    head = kernels_cpu.QLinear(head_q) if head_q is not None else _upload_t(fetch(source, embd_ours, "gguf"), np)
+    head = kernels_cpu.QLinear(head_q, plan=plan) if head_q is not None else _upload_t(fetch(source, embd_ours, "gguf"), np)
     if cfg.tied_embeddings:
         return head, None if head_q is None else kernels_cpu.QEmbedding(head_q)
     if kept(["tok_embd"]):

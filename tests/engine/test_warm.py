@@ -1,0 +1,55 @@
+"""Compiling the CPU kernels once per machine (engine/warm.py): workers starting together compile
+once, and a warm cache is only loaded."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from turbospark_wsgi.engine.kernels import cpu as kernels_cpu
+
+pytestmark = pytest.mark.skipif(not kernels_cpu.AVAILABLE, reason="numba is not installed")
+
+_LOAD = """
+import json, sys, time
+t = time.perf_counter()
+from turbospark_wsgi.engine import warm
+from turbospark_wsgi.engine.kernels import cpu as kernels_cpu, layer as kernels_layer, int8 as kernels_q8
+from turbospark_wsgi.engine.loader import load_model
+m = load_model(sys.argv[1], device="cpu").model
+ds = [kernels_layer.LAYER[m.plan.isa], kernels_q8.PRODUCT[m.plan.isa], kernels_cpu._q4_batch, kernels_cpu._attend]
+print(json.dumps({"misses": sum(sum(d.stats.cache_misses.values()) for d in ds),
+                  "warm": warm.is_warm(m.plan.isa), "seconds": time.perf_counter() - t}))
+"""
+
+
+def _start(model, cache):
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(cache))
+    return subprocess.Popen([sys.executable, "-c", _LOAD, str(model)], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _result(proc):
+    out, err = proc.communicate(timeout=900)
+    assert proc.returncode == 0, err[-2000:]
+    return json.loads(out.splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_workers_starting_together_compile_once_and_a_restart_only_loads(stories_gguf, tmp_path):
+    first, second = _start(stories_gguf, tmp_path), _start(stories_gguf, tmp_path)
+    a, b = _result(first), _result(second)
+    assert sorted([a["misses"] > 0, b["misses"] > 0]) == [False, True], (a, b)   # one compiled, one loaded
+    assert a["warm"] and b["warm"]
+    again = _result(_start(stories_gguf, tmp_path))
+    assert again["misses"] == 0 and again["warm"]
+
+
+def test_a_new_cache_is_not_taken_for_warm(tmp_path, monkeypatch):
+    import numba
+    from turbospark_wsgi.engine import warm
+    monkeypatch.setattr(numba.config, "CACHE_DIR", str(tmp_path))
+    assert warm.cache_dir() == str(tmp_path) and not warm.is_warm("avx2")
+    warm._mark("avx2")
+    assert warm.is_warm("avx2") and not warm.is_warm("generic")

@@ -1,0 +1,218 @@
+"""Integer kernels (numba) for y = x @ W.T with int8 activations, as llama.cpp's Q8 activations.
+
+Each activation row is quantized once per product, per block of 32: d_a = max|x| / 127,
+q_a = round(x / d_a) (int8). Per weight block the dot product of the integer weights with q_a is
+exact in int32; it is scaled by d_w * d_a (plus m_w * sum(x) for a q4 block's min) and summed in
+float32 per output row (one SIMD lane per row, as the float kernels in cpu.py). Where the CPU
+has AVX-512 VNNI the integer dots are `vpdpbusd` instructions (64 multiply-adds each); elsewhere the
+same integers come from plain vector code, so the results are the same bits on either.
+
+NOTE(exact-batching): a row's quantization and every step after it depend on that row alone and run
+the same code for any row count, so a sequence's numbers never depend on its neighbours or on how a
+prompt was cut. The results differ from the float32 reference by the activations' rounding (about
+1/254 of each block's largest value); `quantize_rows` + `matmul_ref` is that computation in numpy.
+
+Weight layout (`prepare`): for tile t, scale unit u (one q4 block of 32 weights, or one q8 scale
+group of 16 or 32) and lane chunk c of 16 output rows, the unit's bytes as `[quads, 16 rows, 4]`:
+four consecutive weights of one row fill one 32-bit lane, the operand shape of `vpdpbusd`. q4 bytes
+keep both nibbles (byte j: weight j low, weight j+16 high); q8 bytes are q + 128 (unsigned), the
+128 * sum(q_a) that adds taken off again per unit.
+"""
+
+import numpy as np
+
+from .. import quant
+from . import isa
+
+try:
+    import numba
+    from numba import literally, njit, prange
+except ImportError:            # pragma: no cover - exercised only where numba is absent
+    numba = None
+
+AVAILABLE = numba is not None
+if AVAILABLE:
+    from .int8_dot import _q8_bias, _unit_dot
+QA = 32         # activation block (int8 values per scale)
+LANES = 16      # output rows per 512-bit accumulator
+
+
+def choose(want="auto", allow_vnni=True):
+    """isa.Choice of the integer-dot instructions for the compile target (see isa.py)."""
+    if not AVAILABLE:
+        return isa.Choice("generic", "numba absent: numpy reference")
+    return isa.choose(want, allow_vnni)
+
+
+# The path of kernels compiled for callers that name none (EngineOptions pick their own; see options).
+DEFAULT = choose()
+
+
+def quantize_rows_ref(x):
+    """numpy reference of `quantize_rows`: x float32 [B, K] -> (q int8 [B, K], d float32 [B, K/32])."""
+    x = np.asarray(x, dtype=np.float32)
+    B, K = x.shape
+    blocks = x.reshape(B, K // QA, QA)
+    amax = np.abs(blocks).max(axis=-1)
+    d = (amax / np.float32(127)).astype(np.float32)
+    inv = np.where(d > 0, np.float32(1) / np.where(d > 0, d, 1), np.float32(0)).astype(np.float32)
+    q = np.rint(blocks * inv[..., None]).astype(np.int8)
+    return q.reshape(B, K), d
+
+
+def matmul_ref(x, w):
+    """The int8-activation reference in numpy: x's rows quantized as the kernels do, times the
+    dequantized weight, in float64 -> float32 [B, n]. (The q4 min term uses float sum(x), as the
+    kernels do, so it is not rounded.)"""
+    x = np.asarray(x, dtype=np.float32)
+    q, d = quantize_rows_ref(x)
+    B, K = x.shape
+    out = []
+    for p in (w.parts if isinstance(w, quant.QMatrix) else [w]):
+        b = quant.untile(p)
+        n = b.q.shape[0]
+        xa = (q.reshape(B, K // QA, QA).astype(np.float64) * d[..., None]).reshape(B, K)
+        if p.kind == "q4":
+            v = np.concatenate([b.q & 15, b.q >> 4], axis=-1).astype(np.float64)      # [n, nb, 32]
+            y = xa @ (v * b.d[..., None]).reshape(n, K).T
+            y += x.reshape(B, K // QA, QA).sum(axis=-1, dtype=np.float64) @ b.m.T.astype(np.float64)
+        else:
+            group = b.q.shape[1] // b.d.shape[1]
+            v = b.q.astype(np.float64).reshape(n, b.d.shape[1], group * quant.SUB)
+            y = xa @ (v * b.d[..., None]).reshape(n, K).T
+        out.append(y)
+    return np.concatenate(out, axis=1).astype(np.float32)
+
+
+def fits(p):
+    """Whether the int8 kernels take part `p`: its tile fills whole accumulators."""
+    return p.tile % LANES == 0
+
+
+def prepare(p):
+    """The int8 kernels' layout of a QWeight (kept on it as `p.qv`): uint8
+    [T, units, R/16, quads, 16, 4] (see the module docstring)."""
+    if p.qv is None:
+        T, n_sub, S, R = p.qs.shape                                    # S = 16 bytes per block/sub-block
+        per = 1 if p.kind == "q4" else n_sub // p.d.shape[1]           # q8: sub-blocks per scale
+        q = p.qs.view(np.uint8) if p.kind == "q4" else (p.qs.view(np.uint8) ^ np.uint8(128))
+        # [T, units, per, S, R] -> [T, units, R/16, per*S/4 quads, 16, 4]
+        q = q.reshape(T, n_sub // per, per * S // 4, 4, R // LANES, LANES)
+        p.qv = np.ascontiguousarray(q.transpose(0, 1, 4, 2, 5, 3))
+    return p.qv
+
+
+if AVAILABLE:
+    _JIT = dict(parallel=True, fastmath=True, cache=True, nogil=True)
+    @njit(**_JIT)
+    def quantize_rows(x, q, d, xs, qsum):   # pragma: no cover - compiled
+        # x [B, K] f32 -> q [B, K] i8, d [B, K/32] scales, xs [B, K/32] float sums of x, qsum [B, K/16] sums of q
+        B, K = x.shape
+        for i in prange(B):
+            for b in range(K // 32):
+                xb = x[i, b * 32:b * 32 + 32]
+                amax = np.float32(0)
+                s = np.float32(0)
+                for j in range(32):
+                    amax = max(amax, abs(xb[j]))
+                    s += xb[j]
+                db = amax / np.float32(127)
+                inv = np.float32(1) / db if db > 0 else np.float32(0)
+                qb = q[i, b * 32:b * 32 + 32]
+                s0 = 0
+                s1 = 0
+                for j in range(16):
+                    v = np.int32(np.rint(xb[j] * inv))
+                    qb[j] = v
+                    s0 += v
+                for j in range(16, 32):
+                    v = np.int32(np.rint(xb[j] * inv))
+                    qb[j] = v
+                    s1 += v
+                d[i, b], xs[i, b] = db, s
+                qsum[i, 2 * b], qsum[i, 2 * b + 1] = s0, s1
+
+    # NOTE(exact-batching): no reassociation: the float steps run in the written order (one product
+    # per sum, fused or not alike everywhere), so every instruction path gives the same bits.
+    @njit(**dict(_JIT, fastmath={"nnan", "ninf", "nsz", "contract"}))
+    def _matmul_i8(qv, d, m, q, da, xs, qsum, y, isa_id):   # pragma: no cover - compiled
+        # qv [T, nu, R/16, quads, 16, 4] u8 (see prepare); d, m [T, nu, R] f32 (m: q4 mins, or an
+        # empty array for q8); q [B, K] i8; da, xs [B, K/32]; qsum [B, K/16] i32; y [B, T*R]
+        T, nu, R = d.shape
+        B, K = q.shape
+        per = K // nu                       # weights per unit: 32 (q4, Q8_0) or 16 (Q6_K)
+        nib = m.shape[0] > 0
+        step = R * (16 if nib else per)     # bytes per unit of one tile
+        w, qf = qv.reshape(-1), q.reshape(-1)
+        for t in prange(T):
+            acc = np.zeros((B, R), np.float32)
+            isum = np.empty(R, np.int32)
+            for u in range(nu):
+                base, k0 = (t * nu + u) * step, u * per
+                du = d[t, u]
+                for i in range(B):
+                    a = i * K + k0
+                    if nib:
+                        isum[:] = 0
+                        for c in range(R // 16):
+                            _unit_dot(w, base + c * 256, qf, a, isum, c * 16, 4, True, isa_id)
+                    else:                   # bytes hold q + 128: take 128 * sum(q_a) off again
+                        isum[:] = -_q8_bias(isa_id) * (qsum[i, k0 // 16] + (qsum[i, k0 // 16 + 1] if per == 32 else 0))
+                        for c in range(R // 16):
+                            if per == 32:
+                                _unit_dot(w, base + c * 512, qf, a, isum, c * 16, 8, False, isa_id)
+                            else:
+                                _unit_dot(w, base + c * 256, qf, a, isum, c * 16, 4, False, isa_id)
+                    ai, s = acc[i], da[i, k0 // 32]
+                    for r in range(R):
+                        ai[r] += (du[r] * s) * np.float32(isum[r])
+                    if nib:
+                        mu, x = m[t, u], xs[i, u]
+                        for r in range(R):
+                            ai[r] += mu[r] * x
+            for i in range(B):
+                y[i, t * R:t * R + R] = acc[i]
+
+
+    @njit(cache=True, nogil=True)
+    def product(x, qv, d, m, y, isa_id):   # pragma: no cover - compiled
+        # y [B, n] = x [B, K] times the weight (qv, d, m as _matmul_i8 takes them), x's rows quantized
+        # PERF(dispatch): quantizing inside the one call saves a dispatch and four arrays a product
+        B, K = x.shape
+        q = np.empty((B, K), np.int8)
+        da, xs = np.empty((B, K // 32), np.float32), np.empty((B, K // 32), np.float32)
+        qsum = np.empty((B, K // 16), np.int32)
+        quantize_rows(x, q, da, xs, qsum)
+        _matmul_i8(qv, d, m, q, da, xs, qsum, y, literally(isa_id))
+
+
+if AVAILABLE:
+    def _product_on(isa_id):
+        """`product` with its instruction path fixed: a plain call from Python (a literal argument
+        would take numba's slow dispatch on every call, ~24 ms), cached per path by numba (a
+        closure's cache key holds its cell values)."""
+        @njit(cache=True, nogil=True)
+        def product_on(x, qv, d, m, y):   # pragma: no cover - compiled
+            product(x, qv, d, m, y, isa_id)
+        return product_on
+
+    PRODUCT = {path: _product_on(isa.IDS[path]) for path in isa.PATHS}
+
+
+def quantize(x):
+    """x float32 [B, K] (K a multiple of 32) -> (q int8, d, xs, qsum) as `quantize_rows` fills them."""
+    B, K = x.shape
+    q = np.empty((B, K), np.int8)
+    d, xs = np.empty((B, K // QA), np.float32), np.empty((B, K // QA), np.float32)
+    qsum = np.empty((B, K // 16), np.int32)
+    quantize_rows(x, q, d, xs, qsum)
+    return q, d, xs, qsum
+
+
+def matmul(x, p, y, path=None):
+    """y [B, T*R] = x (float32 [B, K], C-contiguous) times QWeight p, with x's rows quantized to int8,
+    the integer dots on instruction path `path` (an isa.PATHS name; default DEFAULT's)."""
+    PRODUCT[path or DEFAULT.path](x, prepare(p), p.d, NO_MINS if p.m is None else p.m, y)
+
+
+NO_MINS = np.zeros((0, 0, 0), np.float32)

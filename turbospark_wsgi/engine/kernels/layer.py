@@ -1,0 +1,238 @@
+"""One numba call per transformer layer (CPU, int8 activations): the norms, the four quantized
+products, q/k head norms and biases, rotary, the K/V cache writes, attention and the residual adds
+of R rows, each row a position of one sequence (a prompt's rows, or one row per sequence of a
+decode step).
+
+PERF(fused-layer): step by step a layer is ~25 Python steps around its 4 products (norms, rope, a
+cache write and an attention call per sequence, residual adds, SiLU*up); on SmolLM2-135M that was
+~2.3 ms of a 5.8 ms decode step at B = 1 (2,450 Python calls a step; 97 fused), each step also a GIL
+hand-off between nogil kernels. tools/bench_decode.py, 2 cores shared with other jobs (load 4-4.8),
+medians of 7 interleaved rounds: B = 1 23.6 -> 15.8 ms a step (1.49x), B = 8 53.9 -> 47.8 ms
+(1.13x), B = 16 105.7 -> 104.8 ms (1.01x). A fresh numba cache compiles these kernels in ~3-4 s more.
+
+NOTE(exact-batching): every step is computed row by row by the same code whatever R is and whatever
+rows stand beside it (the products are int8.py's, attention cpu.py's head loop), so a
+position's numbers never depend on its neighbours or on how a prompt was cut. The float steps
+(norms, rope, gates) round differently from the numpy ones of the unfused path, so a model runs
+every call, prompt and decode alike, on this path or every call on the other (`Transformer.fused`).
+
+The KV caches of the R rows' sequences are reached by address: `kv` [S, 3] int64 holds each
+sequence's K buffer address, V buffer address and capacity (buffers float32 C-contiguous
+[n_layer, capacity, G, D], kept alive and large enough by the caller for the call's length).
+"""
+import numpy as np
+
+from . import cpu, int8, isa
+
+try:
+    import numba
+    from llvmlite import ir
+    from numba import carray, literally, njit, prange
+    from numba.core import types
+    from numba.extending import intrinsic
+except ImportError:            # pragma: no cover - exercised only where numba is absent
+    numba = None
+
+AVAILABLE = numba is not None and int8.AVAILABLE
+
+
+if AVAILABLE:
+    # NOTE(exact-batching): no reassociation in the row loops (as int8.py's float steps).
+    # PERF(fused-layer): numpy's error model drops the zero check of each division, which kept
+    # LLVM from vectorising every loop that divides (SwiGLU of 8 rows: 29 us -> 1.3 us).
+    _JIT = dict(cache=True, nogil=True, error_model="numpy")
+    _FM = dict(_JIT, fastmath={"nnan", "ninf", "nsz", "contract"})
+
+    @intrinsic
+    def _f32_at(typingctx, addr):
+        """The float32 pointer at integer address `addr`."""
+        sig = types.CPointer(types.float32)(types.int64)
+
+        def codegen(context, builder, signature, args):
+            return builder.inttoptr(args[0], ir.PointerType(ir.FloatType()))
+        return sig, codegen
+
+    @njit(**_FM)
+    def _norm(x, w, eps, out):   # pragma: no cover - compiled
+        # out = x / sqrt(mean(x^2) + eps) * w over one row (out may be x)
+        # PERF(norm): the squares summed in 16 lanes, in a fixed order LLVM can vectorise without
+        # reassociating; one running sum took twice as long (8 rows of 576: 6.4 -> 3.3 us)
+        n = x.shape[0]
+        lanes = np.zeros(16, np.float32)
+        for j0 in range(0, n - n % 16, 16):
+            for k in range(16):
+                lanes[k] += x[j0 + k] * x[j0 + k]
+        s = np.float32(0)
+        for k in range(16):
+            s += lanes[k]
+        for j in range(n - n % 16, n):
+            s += x[j] * x[j]
+        rms = np.float32(np.sqrt(s * (np.float32(1) / np.float32(n)) + eps))
+        for j in range(n):
+            out[j] = x[j] / rms * w[j]
+
+    @njit(**_JIT)
+    def _norm_rows(x, w, eps, out):   # pragma: no cover - compiled
+        for r in range(x.shape[0]):
+            _norm(x[r], w, eps, out[r])
+
+    @intrinsic
+    def _pow2(typingctx, n):
+        """2**n as float32 for an int32 n in [-126, 127]: the exponent bits set directly."""
+        sig = types.float32(types.int32)
+
+        def codegen(context, builder, signature, args):
+            i32 = ir.IntType(32)
+            bits = builder.shl(builder.add(args[0], ir.Constant(i32, 127)), ir.Constant(i32, 23))
+            return builder.bitcast(bits, ir.FloatType())
+        return sig, codegen
+
+    @njit(**_FM)
+    def _exp(x):   # pragma: no cover - compiled
+        # e^x for float32 x (clamped to [-87, 88]): x = n ln2 + r, |r| <= ln2/2, e^r by Cephes' expf
+        # polynomial (within 1.4 float32 ulps), times 2^n. Plain arithmetic that vectorises where
+        # libm's expf or tanhf, one call per value, does not: the SwiGLU of 8 rows took 118 us with
+        # tanhf against numpy's 9 us, and 2.5 us with this.
+        x = min(max(x, np.float32(-87.0)), np.float32(88.0))
+        n = np.floor(x * np.float32(1.44269504088896341) + np.float32(0.5))
+        r = x - n * np.float32(0.693359375) + n * np.float32(2.12194440e-4)
+        p = np.float32(1.9875691500e-4) * r + np.float32(1.3981999507e-3)
+        p = p * r + np.float32(8.3334519073e-3)
+        p = p * r + np.float32(4.1665795894e-2)
+        p = p * r + np.float32(1.6666665459e-1)
+        p = p * r + np.float32(5.0000001201e-1)
+        return (p * r * r + r + np.float32(1)) * _pow2(np.int32(n))
+
+    @njit(**_FM)
+    def _gate_rows(gu, gelu, out):   # pragma: no cover - compiled
+        # out [R, F] = silu(gate) * up, or gelu_tanh(gate) * up, gu [R, 2F] = gate | up; both as
+        # g * sigmoid(z) (z = g, or 2 sqrt(2/pi) (g + 0.044715 g^3): 0.5 (1 + tanh(z/2)) = sigmoid(z))
+        R, F = out.shape
+        c = np.float32(2 * np.sqrt(2.0 / np.pi))
+        for r in range(R):
+            g, u, o = gu[r, :F], gu[r, F:], out[r]
+            if gelu:
+                for j in range(F):
+                    z = c * (g[j] + np.float32(0.044715) * g[j] * g[j] * g[j])
+                    o[j] = g[j] / (np.float32(1) + _exp(-z)) * u[j]
+            else:
+                for j in range(F):
+                    o[j] = g[j] / (np.float32(1) + _exp(-g[j])) * u[j]
+
+    @njit(**_JIT)
+    def _layer_view(kv, s, which, li, G, D):   # pragma: no cover - compiled
+        # sequence s's K (which 0) or V (1) buffer of layer li as [capacity, G, D]
+        cap = kv[s, 2]
+        return carray(_f32_at(kv[s, which] + 4 * li * cap * G * D), (cap, G, D))
+
+    @njit(**_FM)
+    def _heads_to_cache(qkv, seq, pos, kv, li, cos, sin, qk_norm, eps, H, G, D):   # pragma: no cover - compiled
+        # qkv [R, (H+2G)*D], in place: q/k head norms (qk_norm [2, D], or [0, D] for none), rotary
+        # on the first 2*half dims of the q and k heads; k and v heads stored at pos[r] of layer li
+        R = qkv.shape[0]
+        half = cos.shape[-1]
+        for r in range(R):
+            s, p = seq[r], pos[r]
+            for h in range(H + G):
+                x = qkv[r, h * D:(h + 1) * D]
+                if qk_norm.shape[0]:
+                    _norm(x, qk_norm[0] if h < H else qk_norm[1], eps, x)
+                for i in range(half):
+                    x1, x2, c, sn = x[i], x[half + i], cos[p, 0, i], sin[p, 0, i]
+                    x[i] = x1 * c - x2 * sn
+                    x[half + i] = x2 * c + x1 * sn
+            # NOTE(compile): element loops; the slice assignments took 7 s more to compile
+            keys, vals = _layer_view(kv, s, 0, li, G, D), _layer_view(kv, s, 1, li, G, D)
+            for g in range(G):
+                kd, vd = keys[p, g], vals[p, g]
+                for d in range(D):
+                    kd[d] = qkv[r, (H + g) * D + d]
+                    vd[d] = qkv[r, (H + G + g) * D + d]
+
+    @njit(parallel=True, **_JIT)
+    def _attend_rows(qkv, seq, pos, kv, li, window, H, G, D, out):   # pragma: no cover - compiled
+        # out [R, H*D]: row r's query heads (qkv[r], pre-scaled, rotated) over its sequence's keys
+        R = qkv.shape[0]
+        M = H // G
+        for rh in prange(R * H):
+            r, h = rh // H, rh % H
+            g, p = h // M, pos[r]
+            lo = max(0, p - window + 1) if window > 0 else 0
+            cpu.attend_head(qkv[r, h * D:(h + 1) * D], _layer_view(kv, seq[r], 0, li, G, D),
+                                    _layer_view(kv, seq[r], 1, li, G, D), g, lo, p, out[r, h * D:(h + 1) * D])
+
+    @njit(**_FM)
+    def _residual(x, y, norms, post, eps):   # pragma: no cover - compiled
+        # x += y, y RMS-normed first with norms[post] where the model has post norms
+        for r in range(x.shape[0]):
+            xr, yr = x[r], y[r]
+            if norms.shape[0] > post:
+                _norm(yr, norms[post], eps, yr)
+            for j in range(xr.shape[0]):
+                xr[j] += yr[j]
+
+    @njit(**_JIT)
+    def layer(x, seq, pos, kv, li, window, cos, sin, eps, gelu, H, G, D,
+              norms, bqkv, qk_norm, qvs, ds, ms, isa_id):   # pragma: no cover - compiled
+        # x [R, dim] in place. norms [2 or 4, dim]: the attention and MLP norms, then the post norms
+        # where the model has them; bqkv [(H+2G)*D] or [0]; qvs/ds/ms: wqkv, wo, w_gate_up, w_down as
+        # int8.product takes them; isa_id: the integer dots' instruction path (isa.IDS)
+        literally(isa_id)
+        R, dim = x.shape
+        h = np.empty_like(x)
+        _norm_rows(x, norms[0], eps, h)
+        qkv = np.empty((R, (H + 2 * G) * D), np.float32)
+        int8.product(h, qvs[0], ds[0], ms[0], qkv, isa_id)
+        for r in range(R if bqkv.shape[0] else 0):
+            qr = qkv[r]
+            for j in range(qr.shape[0]):
+                qr[j] += bqkv[j]
+        _heads_to_cache(qkv, seq, pos, kv, li, cos, sin, qk_norm, eps, H, G, D)
+        att = np.empty((R, H * D), np.float32)
+        _attend_rows(qkv, seq, pos, kv, li, window, H, G, D, att)
+        int8.product(att, qvs[1], ds[1], ms[1], h, isa_id)
+        _residual(x, h, norms, 2, eps)
+        _norm_rows(x, norms[1], eps, h)
+        gu = np.empty((R, ds[2].shape[0] * ds[2].shape[2]), np.float32)
+        int8.product(h, qvs[2], ds[2], ms[2], gu, isa_id)
+        a = np.empty((R, gu.shape[1] // 2), np.float32)
+        _gate_rows(gu, gelu, a)
+        int8.product(a, qvs[3], ds[3], ms[3], h, isa_id)
+        _residual(x, h, norms, 3, eps)
+
+if AVAILABLE:
+    def _layer_on(isa_id):
+        """`layer` with its integer dots' instruction path fixed (see int8._product_on)."""
+        @njit(**_JIT)
+        def layer_on(x, seq, pos, kv, li, window, cos, sin, eps, gelu, H, G, D,
+                     norms, bqkv, qk_norm, qvs, ds, ms):   # pragma: no cover - compiled
+            layer(x, seq, pos, kv, li, window, cos, sin, eps, gelu, H, G, D, norms, bqkv, qk_norm, qvs, ds, ms, isa_id)
+        return layer_on
+
+    # the layer kernel per instruction path (isa.PATHS): LAYER[path](x, seq, pos, kv, li, window, cos,
+    # sin, *layer_args(cfg, lw))
+    LAYER = {path: _layer_on(isa.IDS[path]) for path in isa.PATHS}
+
+
+def layer_args(cfg, lw):
+    """The per-layer arguments of `layer` after `sin` for LayerWeights `lw`, or None where a
+    product is not one part on the int8 kernels."""
+    parts = [getattr(getattr(lw, n), "_int8_part", None) for n in ("wqkv", "wo", "w_gate_up", "w_down")]
+    if not AVAILABLE or None in parts:
+        return None
+    f32 = np.float32
+    norms = [lw.attn_norm, lw.ffn_norm]
+    if lw.post_attn_norm is not None:
+        norms += [lw.post_attn_norm, lw.post_ffn_norm]
+    qk = np.stack([lw.q_norm, lw.k_norm]) if lw.q_norm is not None else np.zeros((0, cfg.head_dim), f32)
+    bias = lw.bqkv if lw.bqkv is not None else np.zeros(0, f32)
+    return (f32(cfg.norm_eps), bool(cfg.gelu_gate), cfg.n_head, cfg.n_kv_head, cfg.head_dim,
+            np.ascontiguousarray(np.stack(norms), f32), np.ascontiguousarray(bias, f32), np.ascontiguousarray(qk, f32),
+            tuple(int8.prepare(p) for p in parts), tuple(p.d for p in parts),
+            tuple(int8.NO_MINS if p.m is None else p.m for p in parts))
+
+
+def addresses(caches):
+    """`kv` for `layer`: each cache's K and V buffer addresses and capacity, int64 [S, 3]."""
+    return np.array([(c.k.__array_interface__["data"][0], c.v.__array_interface__["data"][0], c.capacity)
+                     for c in caches], np.int64)

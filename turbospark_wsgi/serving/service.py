@@ -1,0 +1,303 @@
+"""The seam between HTTP and the engine: eager admission, then lazy generation as service events.
+
+    events = service.run(GenerationRequest(...), CancelToken())   # ApiError here: nothing sent yet
+    for event in events:       # KeepAlive | TextDelta | Finished; ends without Finished if cancelled
+        ...
+    events.close()             # idempotent: cancels, stops the engine, releases the queue slot
+"""
+import dataclasses
+import logging
+import os
+import threading
+from dataclasses import dataclass, field
+
+from .. import metrics
+from ..engine import SamplingParams
+from ..errors import ApiError, InvalidRequest
+from . import compute
+from .cancel import CancelToken
+from .generation import Generation, PromptBatch
+from .limits import Limits
+from .prompts import Prompts, check_ids, encode_text, keep_last, template_source, truncation
+from .queue import LockQueue
+from .registry import Registry
+
+log = logging.getLogger("turbospark.service")
+
+
+@dataclass(slots=True)
+class GenerationRequest:
+    """One generation, as the schemas hand it to the service (one of prompt / prompt_ids / chat /
+    prompts). Every field was checked without a model; the service does the rest."""
+
+    model: str | None = None                # None: the default model
+    prompt: str | None = None               # raw text (completions)
+    prompt_ids: list | None = None          # token ids given by the client
+    chat: object = None                     # a schemas.tool_prompt.ChatPart: messages through the model's
+                                            # template, planned against it by `chat.plan(source)`
+    prompts: list | None = None             # completions: several prompts, each text or token ids
+    add_special: bool = True                # raw text: BOS where the model's own rule puts one; False: never
+    max_tokens: int | None = 16             # None: up to the end of the context
+    params: SamplingParams = field(default_factory=SamplingParams)
+    stream: bool = False
+    include_usage: bool = False             # stream_options.include_usage
+    echo: bool = False                      # completions: each choice starts with the prompt text
+    logprobs: int | None = None             # None: no logprobs; N: the chosen token's plus the top N
+    n: int = 1                              # choices returned
+    best_of: int | None = None              # choices generated (the n with the best cumulative logprob win)
+    request_id: str = ""
+    client: str = ""                        # whose request (an API key's digest or an address): the
+                                            # queue takes turns between clients
+    prompt_param: str = "prompt"            # the request field blamed when the prompt is too long
+    truncate_prompt_tokens: int | None = None   # vLLM's: keep the prompt's last N tokens (-1: the context)
+    cache_salt: str = ""                    # only runs with the same salt share cached prompt prefixes:
+                                            # the request's own (vLLM's), after its key's with isolation
+
+
+@dataclass(slots=True)
+class EmbeddingRequest:
+    """One /v1/embeddings request: `texts` (strings) or `ids` (token-id lists), as the schema parsed them."""
+
+    model: str | None = None
+    texts: list | None = None
+    ids: list | None = None
+    dimensions: int | None = None       # None: the model's own
+    truncate: int | None = None         # vLLM's truncate_prompt_tokens: keep each input's last N tokens
+                                        # (-1: the model's limit); None: over-long inputs are refused
+
+
+@dataclass(slots=True)
+class EmbeddingResult:
+    vectors: list                       # one list of floats per input, in input order
+    prompt_tokens: int
+    model: str
+
+
+# PERF(fairness): the inputs of one request go to the compute thread in chunks of at most this many
+# inputs and the model's `embed_chunk_tokens` tokens (a decoder runs each input alone, so far fewer
+# than an encoder), so generations running beside a long list get their decode steps between chunks.
+EMBED_CHUNK = 32
+
+
+class Service:
+    """Admits requests, queues them FIFO and drives the engine on the compute thread."""
+
+    def __init__(self, config, registry=None, queue=None, limits=None):
+        self.config = config
+        self.registry = registry if registry is not None else Registry(config)
+        self.limits = limits if limits is not None else Limits.from_config(config)
+        self.queue = queue if queue is not None else LockQueue(config.max_waiting, config.queue_timeout,
+                                                                        slots=config.max_batch,
+                                                                        spare=config.max_paused)
+        self.prompts = Prompts(config)
+        self._loading_pid = None
+        self._load_error = None
+
+    def check_room(self, client=""):
+        """Overloaded (503 + Retry-After) at once when the queue has no place left for `client`: the
+        first step of admission, which the generation routes take before reading the body and `run`
+        takes again before resolving the model. `enqueue` stays the definitive check."""
+        self.queue.check_room(client)
+
+    def run(self, req, cancel):
+        """Admits `req` now (room, model, tokens, context, queue: ApiError on refusal) and returns a
+        lazy `Generation` iterator that waits its turn and then generates."""
+        self.prompts.check_without_model(req, self.queue)          # NOTE(order): no model needed, so before resolving one
+        # NOTE(overload): a full server refuses before the model is resolved and the prompt rendered
+        # and tokenized: that work, sharing the GIL with a busy compute thread, made 503s slow.
+        self.queue.check_room(req.client)
+        lease = self.registry.acquire(req.model)
+        # NOTE(lease): a model in use is never unloaded: the generation releases it when it closes
+        on_close = (lease.release, lambda: metrics.observe_queue(self.queue))
+        try:
+            _generating(lease.engine, req.model or self.default_model)
+            gen = self._admit(lease.engine, req, cancel, on_close)
+        except BaseException:
+            lease.release()
+            raise
+        metrics.observe_queue(self.queue)
+        return gen
+
+    def _admit(self, engine, req, cancel, on_close):
+        if req.prompts is not None:
+            return self._admit_batch(engine, req, cancel, on_close)
+        ids, params, grammar, plan = self.prompts.prepare(engine, req)
+        ticket = self.queue.enqueue(cancel, client=req.client)
+        return Generation(engine, ids, params, req, cancel, ticket, self.config.keepalive, grammar, plan=plan,
+                          time_limit=self.config.max_generation_seconds, on_close=on_close)
+
+    def _admit_batch(self, engine, req, cancel, on_close):
+        """A prompt list: every prompt is checked first, then each takes its own queue place and
+        runs as its own sequence of the running batch (a PromptBatch drives them side by side)."""
+        reqs = [_one_prompt(req, i, p) for i, p in enumerate(req.prompts)]
+        prepared = [self.prompts.prepare(engine, r) for r in reqs]
+        gens = []
+        try:
+            for r, (ids, params, grammar, _) in zip(reqs, prepared):
+                # NOTE(cancel): each run ends its own token when it closes; the request's token ends them all.
+                token = CancelToken()
+                cancel.on_cancel(token.cancel)
+                ticket = self.queue.enqueue(token, client=req.client)
+                gens.append(Generation(engine, ids, params, r, token, ticket, self.config.keepalive, grammar,
+                                       poll=True, time_limit=self.config.max_generation_seconds))
+        except BaseException:
+            for gen in gens:
+                gen.close()         # NOTE(overload): a list the queue cannot hold takes no place
+            raise
+        return PromptBatch(gens, req.n, cancel, self.config.keepalive, on_close)
+
+    @property
+    def default_model(self):
+        return self.registry.default_name
+
+    def count_tokens(self, req):
+        """Prompt tokens `req` would use (template applied), without queueing or generating."""
+        return len(self.tokenize(req)[0])
+
+    def models(self):
+        return self.registry.list()
+
+    def health(self):
+        """{"status": "ok" | "loading" | "error", "model", "backend", "queue": {...}}."""
+        engine = self.registry.loaded()
+        status = "ok" if engine is not None else ("error" if self._load_error else "loading")
+        body = {"status": status, "model": self.registry.default_name,
+                "queue": {"waiting": self.queue.depth, "running": self.queue.running,
+                          "max_waiting": self.queue.max_waiting}}
+        if engine is not None:
+            body["backend"] = engine.backend
+            body["backend_reason"] = engine.backend_reason
+            if getattr(engine, "kernels", ""):
+                body["kernels"] = engine.kernels
+            body["max_context"] = self.prompts.context(engine)
+        elif self._load_error:
+            body["error"] = self._load_error
+        return body
+
+    def start_loading(self):
+        """Loads the default model on a background thread, once per process (call it post-fork)."""
+        if self._loading_pid == os.getpid():
+            return
+        self._loading_pid = os.getpid()
+        threading.Thread(target=self._load_default, name="turbospark-load", daemon=True).start()
+
+    def _load_default(self):
+        try:
+            self.registry.resolve(None)
+            self._load_error = None
+        except ApiError as e:
+            self._load_error = e.message
+            log.error("default model not loaded: %s", e.message)
+        except Exception:
+            self._load_error = "the default model could not be loaded (see the server log)"
+            log.exception("loading the default model failed")
+
+    def embed(self, req):
+        """An EmbeddingResult for an EmbeddingRequest: the inputs checked, then run through the
+        model's encoder on the compute thread (ApiError on refusal)."""
+        self.queue.check_room()
+        name = req.model or self.default_model
+        lease = self.registry.acquire(req.model)
+        try:
+            engine = lease.engine
+            if "embedding" not in engine.capabilities:
+                raise InvalidRequest(f"The model '{name}' is a generation model and does not embed; "
+                                     f"use an embedding model (see GET /v1/models)", param="model",
+                                     code="model_not_embedding")
+            if req.dimensions is not None and not engine.matryoshka:
+                raise InvalidRequest(f"The model '{name}' does not support 'dimensions' (it declares no "
+                                     f"Matryoshka training); it embeds in {engine.dim}", param="dimensions")
+            if req.dimensions is not None and req.dimensions > engine.dim:
+                raise InvalidRequest(f"'dimensions' is {req.dimensions}; the model '{name}' embeds in "
+                                     f"{engine.dim}", param="dimensions")
+            keep = None if req.truncate is None else truncation(req.truncate, engine.max_tokens, "input limit")
+            seqs = _embedding_ids(engine, req, keep)
+            vectors = []
+            # NOTE(queue): a place in the same FIFO as generations (503 when it is full), held while
+            # the chunks run, so a flood of embeddings waits its turn instead of crowding the compute thread
+            with self.queue.slot():
+                for chunk in _chunks(seqs, EMBED_CHUNK, engine.embed_chunk_tokens):
+                    vectors.extend(compute.run(engine.embed, chunk, req.dimensions).tolist())
+            return EmbeddingResult(vectors, sum(len(s) for s in seqs), name)
+        finally:
+            lease.release()
+
+    def tokenize(self, req):
+        """(token ids, max context) for a GenerationRequest's prompt, as `run` would build them."""
+        engine = _generating(self.registry.resolve(req.model), req.model or self.default_model)
+        if req.prompt == "":
+            return encode_text(engine, req), self.prompts.context(engine)
+        plan = req.chat.plan(template_source(engine)) if req.chat is not None else None
+        return self.prompts.ids(engine, req, plan), self.prompts.context(engine)
+
+    def tokenizer_info(self, model):
+        """What the tokenizer of `model` (resolving it) is: its special tokens, BOS rule, chat
+        template and context, for vLLM's GET /tokenizer_info."""
+        engine = _generating(self.registry.resolve(model), model or self.default_model)
+        tokenizer = engine.tokenizer
+        return TokenizerInfo(bos_token=tokenizer.bos_token, eos_token=tokenizer.eos_token, add_bos=engine.add_bos,
+                             chat_template=template_source(engine), max_context=self.prompts.context(engine))
+
+    def detokenize(self, model, ids):
+        """The text of token ids (special tokens kept), checked against the vocabulary."""
+        engine = _generating(self.registry.resolve(model), model or self.default_model)
+        check_ids(engine.config.vocab_size, ids, "tokens")
+        return engine.decode(list(ids), skip_special=False)
+
+@dataclass(slots=True)
+class TokenizerInfo:
+    bos_token: str | None
+    eos_token: str | None
+    add_bos: bool                           # raw text gets BOS (the model's own rule)
+    chat_template: str
+    max_context: int
+
+
+def _generating(engine, name):
+    """`engine`, when it generates; a 400 naming the model's kind when it only embeds."""
+    if "generation" not in engine.capabilities:
+        raise InvalidRequest(f"The model '{name}' is an embedding model and does not generate text; "
+                             f"use it with /v1/embeddings", param="model", code="model_not_generative")
+    return engine
+
+
+def _chunks(seqs, most, tokens):
+    """`seqs` in order, in runs of at most `most` sequences and `tokens` tokens (at least one each)."""
+    run, size = [], 0
+    for s in seqs:
+        if run and (len(run) == most or size + len(s) > tokens):
+            yield run
+            run, size = [], 0
+        run.append(s)
+        size += len(s)
+    if run:
+        yield run
+
+
+def _embedding_ids(engine, req, keep=None):
+    """Token ids of every input, each checked: not empty, inside the vocabulary, within the
+    model's limit (an input over it is refused unless `keep`, truncate_prompt_tokens, cuts it)."""
+    seqs = engine.encode_batch(req.texts) if req.texts is not None else [list(s) for s in req.ids]
+    if keep is not None:
+        head, tail = engine.special_span if req.texts is not None else (0, 0)
+        seqs = [keep_last(s, keep, head, tail) for s in seqs]
+    for i, ids in enumerate(seqs):
+        where = f"input[{i}]" if len(seqs) > 1 or req.texts is None else "input"
+        if req.ids is not None:
+            if not ids:
+                raise InvalidRequest(f"{where} holds no token ids", param="input")
+            check_ids(engine.vocab_size, ids, "input", where)
+        if len(ids) > engine.max_tokens:
+            raise InvalidRequest(f"{where} has {len(ids)} tokens; this model embeds at most {engine.max_tokens} "
+                                 f"tokens per input (truncate_prompt_tokens keeps the last N)", param="input",
+                                 code="context_length_exceeded")
+    return seqs
+
+
+def _one_prompt(req, i, prompt):
+    text = isinstance(prompt, str)
+    return dataclasses.replace(req, prompts=None, prompt=prompt if text else None,
+                               prompt_ids=None if text else prompt, prompt_param=f"prompt[{i}]")
+
+
+
