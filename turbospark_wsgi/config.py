@@ -5,7 +5,7 @@ import re
 import socket
 from dataclasses import dataclass, field, fields
 
-from .engine.options import ACTIVATIONS, DEVICES, INT8_PATHS, WEIGHTS, EngineOptions
+from .engine.options import ACTIVATIONS, DEVICES, INT8_PATHS, SPECULATIVE, WEIGHTS, EngineOptions
 from .serving.compute import DEFAULT_NICE
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -27,7 +27,9 @@ class Config:
     WEIGHTS (auto|quant|fp32), ACTIVATIONS (auto|int8|float32), GEMV_MAX_B and SINGLE_ROW_THREADS (CPU
     kernel tuning), INT8_ISA (auto|vnni512|avxvnni|avx2|neon|generic: the int8 dots' instructions),
     INT8_VNNI (1 or 0), FUSED_LAYERS (1 or 0: each layer one CPU kernel call, or the
-    step-by-step path), ENCODER_THREADS (BLAS threads of an embedding encoder),
+    step-by-step path), SPECULATIVE (auto|on|off: speculative decoding by prompt lookup, auto where it
+    pays), SPECULATIVE_TOKENS (tokens proposed per sequence and step), DRAFT_MODEL (an installed model
+    of the same tokenizer that proposes instead of prompt lookup), ENCODER_THREADS (BLAS threads of an embedding encoder),
     COMPUTE_NICE (nice increment of the compute thread, 0 = unchanged), FRONT_DOOR (1 or 0: the
     compute thread gives way between layers while the request loop answers a burst),
     MAX_WAITING (queued requests before 503), QUEUE_TIMEOUT (s, 0 = wait forever),
@@ -65,6 +67,9 @@ class Config:
     encoder_threads: int = _ENGINE.encoder_threads
     int8_vnni: bool = _ENGINE.int8_vnni
     fused_layers: bool = _ENGINE.fused_layers
+    speculative: str = _ENGINE.speculative
+    speculative_tokens: int = _ENGINE.speculative_tokens
+    draft_model: str = ""           # id, alias or path of a model with the same tokenizer (resolved by the registry)
     compute_nice: int = DEFAULT_NICE
     front_door: bool = True
     max_waiting: int = 16
@@ -112,9 +117,10 @@ class Config:
         _check_choice("int8_isa", self.int8_isa, INT8_PATHS)
         _check_choice("worker_class", self.worker_class, WORKER_CLASSES)
         _check_choice("cache_isolation", self.cache_isolation, CACHE_ISOLATION)
+        _check_choice("speculative", self.speculative, SPECULATIVE)
         for name in ("max_waiting", "max_context", "threads", "max_paused", "model_memory", "max_prompt_tokens",
                      "max_tokens_cap", "responses_store_size", "responses_store_bytes", "gemv_max_b",
-                     "single_row_threads", "compute_nice"):
+                     "single_row_threads", "compute_nice", "speculative_tokens"):
             _check_range(name, getattr(self, name), 0)
         for name in ("max_body", "port", "prefill_chunk", "max_batch", "max_prompts",
                      "max_embedding_inputs", "encoder_threads", "responses_store_item_bytes"):
@@ -162,7 +168,8 @@ class Config:
                              prefill_chunk=self.prefill_chunk, max_batch=self.max_batch, max_paused=self.max_paused,
                              gemv_max_b=self.gemv_max_b, single_row_threads=self.single_row_threads,
                              activations=self.activations, encoder_threads=self.encoder_threads,
-                             int8_vnni=self.int8_vnni, int8_isa=self.int8_isa, fused_layers=self.fused_layers)
+                             int8_vnni=self.int8_vnni, int8_isa=self.int8_isa, fused_layers=self.fused_layers,
+                             speculative=self.speculative, speculative_tokens=self.speculative_tokens)
 
     def __repr__(self):
         # NOTE(secrets): keys never reach a log line through a repr of the config.
@@ -240,7 +247,7 @@ def _parse(name, raw):
     if name in _FLOATS:
         return _parse_number(name, raw, float)
     return raw.lower() if name in ("device", "weights", "activations", "int8_isa", "worker_class",
-                                   "cache_isolation") else raw
+                                   "cache_isolation", "speculative") else raw
 
 
 def _parse_number(name, raw, kind):

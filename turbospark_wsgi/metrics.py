@@ -40,6 +40,10 @@ PREFIX_HITS = Counter("turbospark_prefix_cache_hits", "Finished generations that
                       ["model"])
 CACHED_TOKENS = Counter("turbospark_prefix_cache_tokens", "Prompt tokens whose KV came from the prefix cache",
                         ["model"])
+SPEC_PROPOSED = Counter("turbospark_speculative_proposed_tokens",
+                        "Tokens proposed by speculative decoding and checked by the model", ["model"])
+SPEC_ACCEPTED = Counter("turbospark_speculative_accepted_tokens",
+                        "Proposed tokens kept (each a token generated without a step of its own)", ["model"])
 TIME_LIMITED = Counter("turbospark_generation_time_limited", "Generations ended by the wall-clock limit", ["model"])
 THROTTLED = Counter("turbospark_ratelimit_throttled", "Requests refused with 429 by key name and the limit they hit",
                     ["key", "reason"])
@@ -79,6 +83,9 @@ def record_generation(gen):
     if usage.cached_tokens:
         PREFIX_HITS.labels(model).inc()
         CACHED_TOKENS.labels(model).inc(usage.cached_tokens)
+    if usage.proposed_tokens:
+        SPEC_PROPOSED.labels(model).inc(usage.proposed_tokens)
+        SPEC_ACCEPTED.labels(model).inc(usage.accepted_tokens)
     if gen.first_token_at is not None:
         TTFT.labels(model).observe(gen.first_token_at - gen.enqueued_at)
         if gen.finished_at is not None and usage.completion_tokens > 1:

@@ -107,6 +107,10 @@ class Constraint:
         if not self._m.consume_token(int(token)):
             raise ConstraintError(f"constraint rejected token {token}: {_short(self._m.get_error())}")
 
+    def valid_prefix(self, tokens):
+        """How many of `tokens` the grammar allows in a row from here (the state does not move)."""
+        return int(self._m.validate_tokens([int(t) for t in tokens]))
+
     def is_done(self):
         """True once the grammar is complete and only the end of the sequence may follow."""
         return self._m.is_stopped() or self._m.is_accepting() and not self.allowed_mask().sum() > 1

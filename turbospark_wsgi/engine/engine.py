@@ -6,9 +6,11 @@ import numpy as np
 
 from .chat_template import ARCH_TEMPLATES, ChatTemplate
 from .constraints import ConstraintCompiler, ThinkingBudget
+from .draft import load_draft
 from .encoder import normalize
 from .events import Finish
 from .scheduler import Scheduler
+from .speculative import ROW_COST, SpeculativeOptions
 from .loader import load_model
 from .options import EngineOptions, resolve
 from .tokenizer import Tokenizer
@@ -58,8 +60,12 @@ class Engine:
         self._constraints = ConstraintCompiler(tokenizer, self.config.vocab_size)
         self.max_batch = options.max_batch
         self.pooling = _pooling(loaded)
+        speculative = SpeculativeOptions(options.speculative, options.speculative_tokens,
+                                         row_cost=ROW_COST.get(self.backend, ROW_COST["numpy"]))
+        self.draft = load_draft(options.draft_model, options, tokenizer, self.model) if options.draft_model else None
         self.scheduler = Scheduler(self.model, tokenizer, max_batch=self.max_batch, max_paused=options.max_paused,
-                                   max_context=self.max_context, chunk=self.prefill_chunk)
+                                   max_context=self.max_context, chunk=self.prefill_chunk, speculative=speculative,
+                                   draft=self.draft)
 
     @property
     def add_bos(self):

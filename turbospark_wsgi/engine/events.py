@@ -36,6 +36,8 @@ class Finish:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0   # prompt tokens whose KV came from the prefix cache
+    proposed_tokens: int = 0     # speculative decoding: tokens proposed and checked by the model
+    accepted_tokens: int = 0     # ... and of them, those kept (each one a token that took no step of its own)
 
 
 @dataclass(slots=True)

@@ -137,23 +137,34 @@ class Transformer:
             x += self._post(mm(g, lw.w_down, xp), lw.post_ffn_norm)     # [T, dim]  residual
 
     def decode_batch(self, tokens, caches):
-        """One decode step for B sequences: token b runs at position caches[b].length of its own
-        cache, which advances by one. Returns host float32 logits [B, vocab].
+        """One decode step for B rows: token b runs at the next free position of caches[b], which
+        advances. A cache listed n times takes n rows at consecutive positions (in list order): a
+        sequence's speculative tokens, verified in one step. Returns host float32 logits [B, vocab].
 
         NOTE(exact-batching): every matmul is a stack of B single-row products and attention runs
-        per sequence (every other step row by row), so row b is bit-for-bit what a batch of one
-        computes: batching never changes a sequence's output."""
+        per row, so row b is bit-for-bit what a batch of one computes: batching never changes a
+        sequence's output, and a row among its own sequence's next rows is what that decode step
+        alone computes."""
         c, w, xp = self.cfg, self.w, self.xp
         ids = np.asarray(tokens, dtype=np.int64).reshape(-1)
-        B = len(ids)
-        pos = [cache.length for cache in caches]
+        own, ends, seq, pos = [], [], [], []        # the distinct caches, their new lengths; each row's
+        for cache in caches:
+            s = next((i for i, o in enumerate(own) if o is cache), len(own))
+            if s == len(own):
+                own.append(cache)
+                ends.append(cache.length)
+            seq.append(s)
+            pos.append(ends[s])
+            ends[s] += 1
+        for cache, end in zip(own, ends):
+            cache.reserve(end)          # before any row's K/V is written: growing keeps only `length`
         if self.fused:
             at = np.asarray(pos, np.int64)
-            x = self._fused_layers(self._embed(ids), np.arange(B, dtype=np.int64), at, caches, at + 1)[:, None]
+            x = self._fused_layers(self._embed(ids), np.asarray(seq, np.int64), at, own, ends)[:, None]
         else:
             x = self._decode_layers(ids, pos, caches)                   # [B, 1, dim]
-        for b, cache in enumerate(caches):
-            cache.length = pos[b] + 1
+        for cache, end in zip(own, ends):
+            cache.length = end
         return self._cap(to_host(rms_norm(x, w.norm, c.norm_eps, xp) @ w.head)[:, 0])   # [B, vocab]
 
     def _decode_layers(self, ids, pos, caches):

@@ -9,6 +9,7 @@ DEVICES = ("auto", "cpu", "cuda")
 WEIGHTS = ("auto", "quant", "fp32")
 ACTIVATIONS = ("auto", "int8", "float32")
 INT8_PATHS = ("auto", "vnni512", "avxvnni", "avx2", "neon", "generic")   # isa.PATHS
+SPECULATIVE = ("auto", "on", "off")
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +31,10 @@ class EngineOptions:
     int8_vnni: bool = True          # VNNI integer dots where the CPU has them (off: auto skips them)
     int8_isa: str = "auto"          # the int8 dots' instructions: auto (best the CPU has) or an isa.PATHS name
     fused_layers: bool = True       # int8 on the CPU: each layer one kernel call (kernels/layer.py); off: step by step
+    # speculative decoding (speculative.py): auto, where proposals pay; on: whenever there are some; off
+    speculative: str = "auto"
+    speculative_tokens: int = 8     # tokens proposed per sequence and step, at most
+    draft_model: str = ""           # a model of the same tokenizer proposes instead of prompt lookup (path)
 
     def __post_init__(self):       # the device is checked where it is chosen (backend.select_backend)
         if self.weights not in WEIGHTS:
@@ -38,6 +43,10 @@ class EngineOptions:
             raise ValueError(f"activations must be auto, int8 or float32, not {self.activations!r}")
         if self.int8_isa not in INT8_PATHS:
             raise ValueError(f"int8_isa must be one of {', '.join(INT8_PATHS)}, not {self.int8_isa!r}")
+        if self.speculative not in SPECULATIVE:
+            raise ValueError(f"speculative must be auto, on or off, not {self.speculative!r}")
+        if self.speculative_tokens < 0:
+            raise ValueError(f"speculative_tokens must be >= 0, not {self.speculative_tokens!r}")
         if self.encoder_threads < 1:
             raise ValueError(f"encoder_threads must be >= 1, not {self.encoder_threads!r}")
 

@@ -27,6 +27,7 @@ class SamplingParams:
     stop_token_ids: tuple = ()          # extra ids that end the run (besides the model's eos/end-of-turn)
     ignore_eos: bool = False
     constraint: object = None           # engine.constraints.Constraint or ThinkingBudget (allowed_mask/advance/is_done) or None
+    speculative: bool = True            # proposals may run ahead (as the engine's setting allows); output is the same
 
 
 GREEDY_BELOW = 1e-6     # a temperature this small is argmax in all but float noise, and dividing by a

@@ -7,6 +7,8 @@ prefill chunk for the oldest one still prefilling (of the client decoding the fe
 batched decode step for all the others.
 So requests that arrive while others decode join the running batch at the next step. The batch is
 up to `max_batch` sequences, shared fairly between clients; the others wait paused (`_batch`).
+A decoding sequence may run proposed tokens as further rows of its step (speculative.py); the
+tokens a step keeps beyond the first reach its reader one per poll, as separate steps would.
 """
 import numpy as np
 
@@ -14,9 +16,13 @@ from .events import Finish, FinishReason, Paused, Prefill, Scores, Token
 from .model import SMALL_WINDOW
 from .prefix_cache import Slot
 from .sampling import Sampler, SamplingParams, log_softmax, top_n
+from .speculative import Acceptance, PromptLookup, SpeculativeOptions, plan_rows
 from .stops import StopMatcher
 
 _PREFILL, _DECODE, _DONE = "prefill", "decode", "done"
+# PERF(speculative): proposals fill a step up to this many rows (never past it; a batch of more
+# sequences runs none). Float32-activation products switch kernels past kernels_cpu.GEMV_MAX_B rows.
+ROW_LIMIT = 64
 
 
 class Sequence:
@@ -36,6 +42,11 @@ class Sequence:
         self.events = [Prefill(self.cached, len(prompt))]
         self.error = None
         self.client = ""        # whose run: the batch is shared fairly between clients
+        # speculative decoding: events of kept proposals not yet polled, as [(events, completion
+        # before them)]; the prompt-lookup index (built at the first proposal); recent acceptance
+        self.ahead, self.lookup, self.acceptance = [], None, Acceptance()
+        self.draft = None           # draft.Draft's (KV cache, ids) for this sequence
+        self.proposed = self.accepted = 0
 
     @property
     def finished(self):
@@ -65,17 +76,60 @@ class Sequence:
         self.events.append(Token(token, text, logprob, top))
         if matched is not None:
             return self._finish(FinishReason.STOP, stop_string=matched)
-        if self.completion >= self.params.max_new_tokens or self.slot.cache.length >= self.max_context:
+        if self.completion >= self.params.max_new_tokens or len(self.slot.ids) >= self.max_context:
             return self._end(FinishReason.LENGTH)
         self.pending = token
 
+    def room(self, limit):
+        """How many tokens may be proposed: at most `limit`, none past the token budget or the context."""
+        return max(0, min(limit, self.params.max_new_tokens - self.completion - 1,
+                          self.max_context - 1 - len(self.slot.ids)))
+
+    def proposal(self, options, limit):
+        """Up to `limit` tokens prompt lookup proposes to follow the pending one (see `trim`)."""
+        room = self.room(limit)
+        if not room:
+            return []
+        if self.lookup is None:
+            self.lookup = PromptLookup(self.slot.ids, options.min_ngram, options.max_ngram)
+        for token in self.slot.ids[len(self.lookup.tokens):]:     # the tokens decoded since
+            self.lookup.append(token)
+        self.lookup.append(self.pending)
+        return self.trim(self.lookup.propose(room))
+
+    def trim(self, tokens):
+        """A proposal cut before its first end token and where the grammar stops allowing it."""
+        end = next((i for i, t in enumerate(tokens) if t in self.end_ids), len(tokens))
+        valid = getattr(self.params.constraint, "valid_prefix", None)
+        return tokens[:end] if valid is None or not end else tokens[:valid(tokens[:end])]
+
+    def verify(self, rows, logits):
+        """Samples a step's rows in order: row 0 ran the pending token, row j the j-th proposal,
+        which counts only if it is the token row j - 1 drew (see speculative: exact). The first
+        row's events go out now, each further kept row's on a later poll. Returns the kept proposals."""
+        before, groups = self.events, []
+        self.proposed += len(rows) - 1
+        for j, (token, row) in enumerate(zip(rows, logits)):
+            if j and self.pending != token:
+                break
+            self.accepted += j > 0
+            self.events, completion = [], self.completion
+            self.slot.decoded(token)
+            self.accept(row)
+            groups.append((self.events, completion))
+        self.slot.cache.truncate(len(self.slot.ids))     # the K/V of proposals not kept
+        self.events, self.ahead = before + groups[0][0], groups[1:]
+        return len(groups) - 1
+
     def cancel(self):
+        if self.ahead:      # tokens computed but not yet sent are dropped, as if never computed
+            self.ahead, self.completion, self.pending = [], self.ahead[0][1], None
         self._finish(FinishReason.CANCELLED)
 
     def fail(self, error):
         """Ends this sequence with `error` (raised to its reader by Scheduler.poll). Its cache may
         hold a half-run step: the caller forgets it."""
-        self.error, self.state, self.pending = error, _DONE, None
+        self.error, self.state, self.pending, self.ahead = error, _DONE, None, []
 
     def _end(self, reason):
         # held-back text goes out at the end, unless the flushed bytes complete a stop string
@@ -86,7 +140,8 @@ class Sequence:
 
     def _finish(self, reason, text="", stop_string=None):
         self.state, self.pending = _DONE, None
-        self.events.append(Finish(reason, text, stop_string, len(self.prompt), self.completion, self.cached))
+        self.events.append(Finish(reason, text, stop_string, len(self.prompt), self.completion, self.cached,
+                                  self.proposed, self.accepted))
 
 
 class Scoring(Sequence):
@@ -116,8 +171,11 @@ class Scheduler:
     each in its own slot; slots keep their K/V afterwards so a new prompt goes to the free slot
     holding its longest reusable prefix."""
 
-    def __init__(self, model, tokenizer, *, max_batch, max_context, chunk, max_paused=0):
+    def __init__(self, model, tokenizer, *, max_batch, max_context, chunk, max_paused=0, speculative=None,
+                 draft=None):
         self.model, self.tokenizer = model, tokenizer
+        self.speculative = speculative or SpeculativeOptions()
+        self.draft = draft          # a draft.Draft proposes instead of prompt lookup
         self.max_batch, self.max_context, self.chunk = max_batch, max_context, chunk
         self.max_slots = max_batch + max_paused
         self.slots, self.active = [], []
@@ -172,7 +230,14 @@ class Scheduler:
     def poll(self, seq):
         """The events `seq` has waiting, running one step first if it has none; after a step that
         left `seq` out (paused, or another prompt's chunk ran), one Paused."""
-        if not seq.events and not seq.finished:
+        if not seq.events and seq.ahead:
+            # NOTE(speculative): a kept proposal's token goes out as its own step would: after a
+            # cancellation check, so a run cancelled inside a verified block ends where plain decoding would
+            if seq.should_stop():
+                seq.cancel()
+            else:
+                seq.events = seq.ahead.pop(0)[0]
+        elif not seq.events and not seq.finished:
             self.step()
             if not seq.events and not seq.finished:
                 seq.events.append(Paused())
@@ -187,7 +252,7 @@ class Scheduler:
             if seq.should_stop():
                 seq.cancel()
         batch = self._batch()
-        decoding = [s for s in batch if s.pending is not None]
+        decoding = [s for s in batch if s.pending is not None and not s.ahead]   # ahead: tokens unsent
         prefilling = [s for s in batch if s.state == _PREFILL]
         try:
             if prefilling:
@@ -249,11 +314,41 @@ class Scheduler:
             self.slots.remove(slot)
 
     def _decode(self, seqs):
-        tokens = [s.pending for s in seqs]
-        logits = self.model.decode_batch(tokens, [s.slot.cache for s in seqs])   # [B, vocab]
-        for seq, token, row in zip(seqs, tokens, logits):
-            seq.slot.decoded(token)
-            _isolated(seq, seq.accept, row)
+        """One decode step: each sequence's pending token, then the proposals it runs (speculative)."""
+        rows = [[s.pending] + p for s, p in zip(seqs, self._proposals(seqs))]
+        logits = self.model.decode_batch([t for r in rows for t in r],
+                                         [s.slot.cache for s, r in zip(seqs, rows) for _ in r])   # [rows, vocab]
+        at = 0
+        for seq, r in zip(seqs, rows):
+            _isolated(seq, self._verify, seq, r, logits[at:at + len(r)])
+            at += len(r)
+
+    def _proposals(self, seqs):
+        """The proposed tokens each sequence runs this step: those that pay (speculative.plan_rows),
+        the step's rows kept within ROW_LIMIT. Prompt lookup proposes first and the plan takes a
+        prefix; a draft model writes only the planned tokens."""
+        opt = self.speculative
+        if opt.mode == "off" or not opt.max_tokens:
+            return [[] for _ in seqs]
+        cost = 0.0 if opt.mode == "on" else opt.row_cost + (self.draft.cost if self.draft else 0.0)
+        if self.draft is None:
+            found = [_guarded(s, s.proposal, opt, opt.max_tokens) if s.params.speculative else [] for s in seqs]
+            take = plan_rows([(s.acceptance.rate, len(p)) for s, p in zip(seqs, found)], len(seqs), cost)
+        else:
+            rooms = [s.room(opt.max_tokens) if s.params.speculative else 0 for s in seqs]
+            take = plan_rows([(s.acceptance.rate, n) for s, n in zip(seqs, rooms)], len(seqs), cost)
+            found = [_guarded(s, s.trim, p) for s, p in zip(seqs, self.draft.propose(seqs, take))]
+        room = max(0, ROW_LIMIT - len(seqs))
+        out = []
+        for p, n in zip(found, take):
+            out.append(p[:min(n, room)])
+            room -= len(out[-1])
+        return out
+
+    @staticmethod
+    def _verify(seq, rows, logits):
+        kept = seq.verify(rows, logits)
+        seq.acceptance.step(len(rows) - 1, kept)
 
     def _fail(self, error):
         # NOTE(fault): only the shared batched product gets here; it leaves every cache it
@@ -262,6 +357,15 @@ class Scheduler:
             seq.fail(error)
         for slot in self.slots:     # the failed sequences' slots among them
             slot.forget()
+
+
+def _guarded(seq, work, *args):
+    """`work(*args)` for one sequence's proposal; a failure there (its grammar's) proposes nothing:
+    the step itself then meets it, as without speculation."""
+    try:
+        return work(*args)
+    except Exception:      # noqa: BLE001 - the sequence's own step reports it
+        return []
 
 
 def _isolated(seq, work, *args):

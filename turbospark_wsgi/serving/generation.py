@@ -21,6 +21,8 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0
+    proposed_tokens: int = 0                # speculative decoding: tokens proposed, then checked
+    accepted_tokens: int = 0                # ... and kept
 
     @property
     def total_tokens(self):
@@ -110,13 +112,14 @@ class Tally:
     def count(self):
         self.pending += 1
 
-    def account(self, completion_tokens, cached_tokens):
+    def account(self, completion_tokens, cached_tokens, proposed=0, accepted=0):
         self.pending = 0
         if self.usage is None:
-            self.usage = Usage(self.prompt_tokens, completion_tokens, cached_tokens)
+            self.usage = Usage(self.prompt_tokens, completion_tokens, cached_tokens, proposed, accepted)
         else:
-            self.usage = Usage(self.prompt_tokens, self.usage.completion_tokens + completion_tokens,
-                               self.usage.cached_tokens)
+            u = self.usage
+            self.usage = Usage(self.prompt_tokens, u.completion_tokens + completion_tokens, u.cached_tokens,
+                               u.proposed_tokens + proposed, u.accepted_tokens + accepted)
 
     @property
     def produced(self):
@@ -161,7 +164,7 @@ class RunTranslator:
         out = []
         if event.text or self._held or (self._report and not completion):
             out.append(TextDelta(event.text, self._take(), self._index))    # logprobs: [] when nothing came
-        self._tally.account(completion, event.cached_tokens)
+        self._tally.account(completion, event.cached_tokens, event.proposed_tokens, event.accepted_tokens)
         return out + [Finished(event.reason, self._tally.usage, event.stop_string, self._index, self._last)]
 
     def _completion_count(self, finish):
@@ -502,8 +505,7 @@ class PromptBatch:
         done = list(self._usages.values())
         if not done:
             return None
-        return Usage(sum(u.prompt_tokens for u in done), sum(u.completion_tokens for u in done),
-                     sum(u.cached_tokens for u in done))
+        return Usage(*(sum(getattr(u, f) for u in done) for f in Usage.__slots__))
 
     @property
     def finish_reason(self):

@@ -1,6 +1,7 @@
 """Installed models: what the models directory holds and the names that find it (Catalog), and the
 loaded engines (Registry): loading on first request, leases, and unloading of idle models (least
 recently used first) to stay within a memory budget."""
+import dataclasses
 import gc
 import json
 import logging
@@ -230,7 +231,7 @@ class Registry:
         started = time.monotonic()
         model_id = _id_for(key, self.catalog.installed())
         try:
-            engine = compute.run(self._loader_for(key), key, options=self._config.engine_options(), name=model_id)
+            engine = compute.run(self._loader_for(key), key, options=self._options_for(key), name=model_id)
         except Exception as e:     # noqa: BLE001 - any failure to load a file is that model's failure
             if isinstance(e, (ValueError, OSError, ImportError, KeyError)):
                 log.error("loading %s failed: %s", key, e)
@@ -246,6 +247,19 @@ class Registry:
         if _freeze_after_load:
             freeze_heap()
         return engine
+
+    def _options_for(self, key):
+        """The engine options for the model at `key`: the config's, with the draft model's path
+        (TURBOSPARK_DRAFT_MODEL) for any model but the draft itself."""
+        options, draft = self._config.engine_options(), self._config.draft_model
+        if not draft or is_embedding_model(key):
+            return options
+        path = self.find(draft) or (draft if _is_model_path(draft) else None)
+        if path is None:
+            raise ValueError(f"TURBOSPARK_DRAFT_MODEL {draft!r} names no installed model")
+        if os.path.realpath(path) == key:
+            return options
+        return dataclasses.replace(options, draft_model=path)
 
     def _make_room(self, name, nbytes):
         """Unloads idle models, least recently used first, until `nbytes` more fit the budget."""

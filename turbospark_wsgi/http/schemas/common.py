@@ -174,11 +174,12 @@ def sampling_params(doc, bounds=OPENAI, max_tokens=0):
         top_p, temperature = 1.0, 0.0       # NOTE(top_p): keeping no mass means keeping the top token
     top_k = max(opt_int(doc, "top_k", 0, lo=-1, hi=TOKEN_ID_LIMIT), 0)
     stop = stop_strings(doc, bounds.stop)
+    speculative = opt_bool(doc, "speculative", True)      # our extension, on every route: the output is the same
     if not bounds.extensions:
         return SamplingParams(max_new_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                              stop=stop)
+                              stop=stop, speculative=speculative)
     return SamplingParams(
-        max_new_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+        max_new_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, speculative=speculative,
         min_p=opt_number(doc, "min_p", 0.0, 0, 1), repetition_penalty=repetition_penalty(doc),
         presence_penalty=opt_number(doc, "presence_penalty", 0.0, -2, 2),
         frequency_penalty=opt_number(doc, "frequency_penalty", 0.0, -2, 2),

@@ -134,8 +134,14 @@ def _token_ids(ids, param):
 # ---- responses ------------------------------------------------------------------------------
 
 def usage_body(usage):
-    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
+    """`usage`; with `completion_tokens_details` (OpenAI's predicted-output counts) where speculative
+    decoding proposed tokens: accepted ones were kept, rejected ones computed and dropped."""
+    body = {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
             "total_tokens": usage.total_tokens}
+    if usage.proposed_tokens:
+        body["completion_tokens_details"] = {"accepted_prediction_tokens": usage.accepted_tokens,
+                                             "rejected_prediction_tokens": usage.proposed_tokens - usage.accepted_tokens}
+    return body
 
 
 def finish_reason(reason):

@@ -25,6 +25,8 @@ _SAMPLING = {
     "presence_penalty": {"type": "number", "minimum": -2, "maximum": 2},
     "frequency_penalty": {"type": "number", "minimum": -2, "maximum": 2},
     "repetition_penalty": _NUM, "seed": _INT, "stream": _BOOL, "ignore_eos": _BOOL,
+    "speculative": {"type": "boolean", "description": "false: no speculative decoding for this request "
+                                                      "(the output is the same either way)"},
     "stop": {"oneOf": [_STR, {"type": "array", "items": _STR}, {"type": "null"}]},
     "logit_bias": {"type": "object", "additionalProperties": _NUM},
     "stream_options": {"type": "object", "properties": {"include_usage": _BOOL}},
@@ -35,7 +37,9 @@ _CACHE_SALT = {"type": "string", "minLength": 1, "maxLength": 1024,
                               "with TURBOSPARK_CACHE_ISOLATION it comes after the key's own"}
 
 _USAGE = {"type": "object", "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
-          "properties": {"prompt_tokens": _INT, "completion_tokens": _INT, "total_tokens": _INT}}
+          "properties": {"prompt_tokens": _INT, "completion_tokens": _INT, "total_tokens": _INT,
+                         "completion_tokens_details": {"type": "object", "properties": {
+                             "accepted_prediction_tokens": _INT, "rejected_prediction_tokens": _INT}}}}
 _TRUNCATE = {"type": "integer", "minimum": -1, "not": {"const": 0},
              "description": "keep the last N tokens of each prompt or input (-1: the model's limit; vLLM's)"}
 
