@@ -174,3 +174,10 @@ def test_readme_lists_every_route():
     for route in routes:
         shown = route.replace("{model_id:path}", "{id}")
         assert f"{shown}`" in README or f"{shown}," in README, route
+
+
+@pytest.mark.skipif(not STORIES.exists(), reason="stories260K.gguf not present")
+def test_warm_compiles_a_models_kernels_and_says_which(capsys):
+    assert cli.main(["warm", "--model", str(STORIES)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("kernels ready in ") and "activations" in out
