@@ -14,8 +14,7 @@ pytestmark = pytest.mark.skipif(not kernels_cpu.AVAILABLE, reason="numba is not 
 _LOAD = """
 import json, sys, time
 t = time.perf_counter()
-from turbospark_wsgi.engine import warm
-from turbospark_wsgi.engine.kernels import cpu as kernels_cpu, layer as kernels_layer, int8 as kernels_q8
+from turbospark_wsgi.engine.kernels import cpu as kernels_cpu, layer as kernels_layer, int8 as kernels_q8, warm
 from turbospark_wsgi.engine.loader import load_model
 m = load_model(sys.argv[1], device="cpu").model
 ds = [kernels_layer.LAYER[m.plan.isa], kernels_q8.PRODUCT[m.plan.isa], kernels_cpu._q4_batch, kernels_cpu._attend]
@@ -48,8 +47,28 @@ def test_workers_starting_together_compile_once_and_a_restart_only_loads(stories
 
 def test_a_new_cache_is_not_taken_for_warm(tmp_path, monkeypatch):
     import numba
-    from turbospark_wsgi.engine import warm
+    from turbospark_wsgi.engine.kernels import warm
     monkeypatch.setattr(numba.config, "CACHE_DIR", str(tmp_path))
     assert warm.cache_dir() == str(tmp_path) and not warm.is_warm("avx2")
     warm._mark("avx2")
     assert warm.is_warm("avx2") and not warm.is_warm("generic")
+
+
+def test_kernels_cached_from_other_sources_are_dropped(tmp_path, monkeypatch):
+    """numba checks only a function's own file: a layer kernel cached before int8.py changed would
+    keep the old product inside it, so every kernel cache goes when any kernel source differs."""
+    import numba
+    from turbospark_wsgi.engine.kernels import warm
+    monkeypatch.setattr(numba.config, "CACHE_DIR", str(tmp_path))
+    ours, other = tmp_path / "kernels_0123", tmp_path / "elsewhere"
+    ours.mkdir(), other.mkdir()
+    files = [ours / "layer.layer-183.py311.nbi", ours / "int8.product-1.py311.1.nbc", other / "layer.x-1.py311.nbi",
+             ours / "encoder._gelu-1.py311.nbi", tmp_path / "turbospark-warm-0000000000000000-avx2"]
+    for f in files:
+        f.write_text("x")
+    warm._mark("avx2")                                  # a complete warm-up of these sources: nothing goes
+    warm.purge_stale()
+    assert all(f.exists() for f in files)
+    os.remove(warm._marker("avx2"))
+    warm.purge_stale()                                  # compiled from other sources: ours go, others stay
+    assert [f.exists() for f in files] == [False, False, True, True, False]

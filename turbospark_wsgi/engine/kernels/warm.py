@@ -5,6 +5,7 @@ package's `__pycache__`, or NUMBA_CACHE_DIR), keyed by the CPU it was compiled f
 wraps a model load's compile step:
 - an exclusive file lock beside the cache, so that N gunicorn workers starting together compile
   once: the first compiles, the others wait and then load from the cache;
+- cached kernels compiled from other kernel sources are dropped first (`purge_stale`);
 - with a cold cache (no marker of an earlier complete warm-up for this CPU, path and kernel source),
   the float kernels compile in a child process on the other core while this one compiles the int8
   products and the layer kernel, the larger half.
@@ -22,6 +23,7 @@ import sys
 import tempfile
 
 _KERNELS = ("cpu.py", "int8.py", "int8_dot.py", "layer.py", "isa.py", "../quant.py")
+_MODULES = ("cpu", "int8", "int8_dot", "layer")       # the modules numba caches kernels of
 
 
 def cache_dir():
@@ -39,20 +41,44 @@ def cache_dir():
     return tempfile.gettempdir()
 
 
-def _marker(path):
-    """The file saying that path `path`'s kernels were all compiled for this CPU and this source."""
+def _source_key():
+    """What the compiled kernels depend on: numba, the CPU compiled for, and every kernel source."""
     import numba
     from llvmlite import binding
     here = os.path.dirname(os.path.abspath(__file__))
-    h = hashlib.sha256(f"{numba.__version__}|{numba.config.CPU_NAME}|{binding.get_host_cpu_name()}|{path}".encode())
+    h = hashlib.sha256(f"{numba.__version__}|{numba.config.CPU_NAME}|{binding.get_host_cpu_name()}".encode())
     for name in _KERNELS:
-        st = os.stat(os.path.join(here, name))
-        h.update(f"{name}:{st.st_size}:{st.st_mtime_ns}".encode())
-    return os.path.join(cache_dir(), f"turbospark-warm-{h.hexdigest()[:16]}")
+        with open(os.path.join(here, name), "rb") as f:
+            h.update(f.read())
+    return h.hexdigest()[:16]
+
+
+def _marker(path):
+    """The file saying that path `path`'s kernels were all compiled for this CPU and this source."""
+    return os.path.join(cache_dir(), f"turbospark-warm-{_source_key()}-{path}")
 
 
 def is_warm(path):
     return os.path.exists(_marker(path))
+
+
+def purge_stale():
+    """Removes the cached kernels compiled from other sources than these (and their markers).
+
+    NOTE(stale-cache): numba checks only the file of the function it loads: the layer kernel
+    (layer.py) cached before int8.py changed would keep the old products compiled inside it. So
+    any change to any kernel source (an upgrade, a checkout) drops every cached kernel of them."""
+    key, top = _source_key(), cache_dir()
+    names = os.listdir(top) if os.path.isdir(top) else []
+    if any(n.startswith(f"turbospark-warm-{key}-") for n in names):
+        return
+    for root, _, files in os.walk(top):
+        ours = os.path.basename(root) == "__pycache__" or os.path.basename(root).startswith("kernels_")
+        for f in files:
+            if f.startswith("turbospark-warm-") or ours and f.endswith((".nbi", ".nbc")) \
+                    and f.split(".")[0] in _MODULES:
+                with contextlib.suppress(OSError):
+                    os.remove(os.path.join(root, f))
 
 
 @contextlib.contextmanager
@@ -63,6 +89,7 @@ def compiling(path):
     with open(os.path.join(cache_dir(), "turbospark-compile.lock"), "a+") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
+            purge_stale()
             child = None if is_warm(path) else _start("float", path)
             try:
                 yield
