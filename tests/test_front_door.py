@@ -112,7 +112,7 @@ def test_arrivals_claim_only_in_a_burst_while_the_server_refuses(door):
 
 def test_the_compute_thread_installs_the_door_only_when_configured():
     code = textwrap.dedent("""
-        from turbospark_wsgi import compute
+        from turbospark_wsgi.serving import compute
         from turbospark_wsgi.engine import yielding
         compute.configure(0, give_way=GIVE)
         compute.run(lambda: None)

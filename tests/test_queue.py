@@ -162,7 +162,7 @@ def test_release_is_idempotent():
 GEVENT_SCRIPT = r"""
 from gevent import monkey; monkey.patch_all()
 import threading, time, gevent
-from turbospark_wsgi import compute
+from turbospark_wsgi.serving import compute
 from turbospark_wsgi.serving.queue import LockQueue
 
 ex = compute.executor()
@@ -199,7 +199,7 @@ def test_under_gevent_the_compute_thread_is_native_and_the_queue_cooperative():
 GEVENT_FAIR_SCRIPT = r"""
 from gevent import monkey; monkey.patch_all()
 import time, gevent
-from turbospark_wsgi import compute
+from turbospark_wsgi.serving import compute
 
 def job():
     end = time.perf_counter() + 0.002          # a compute step: busy, GIL held
