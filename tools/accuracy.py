@@ -18,6 +18,7 @@ mass as one bucket, a lower bound of the full KL). `--float-products` runs the n
 our int8 path on the float kernels instead, to find where its error comes from.
 """
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -118,7 +119,7 @@ def teacher_forced(ref_lp, lp, ids):
             "ppl_reference": float(np.exp(-ref_lp[np.arange(len(nxt)), nxt].mean())), "positions": len(nxt)}
 
 
-def llama_figures(url, engine, prompts, ref_paths, ids, ref_lp, n_probs):
+def llama_figures(url, prompts, ref_paths, ids, ref_lp, n_probs):
     """The greedy and teacher-forced figures of a llama-server at `url` (see the module docstring)."""
     import requests
 
@@ -157,7 +158,7 @@ def measure(args):
         targets = [ours.model.w.head] if name == "head" else [getattr(lw, name) for lw in model.w.layers]
         for t in targets:
             t.activations = "float32"
-        model.plan = type(model.plan)(model.plan.activations, model.plan.isa, False, model.plan.reason)
+        model.plan = dataclasses.replace(model.plan, fused=False)     # the per-weight switch is step by step
     prompts = [ours.encode(p, add_bos=ours.add_bos) for p in PROMPTS]
     ref_paths = [greedy(ref, p, STEPS) for p in prompts]
     ids = ours.encode(TEXT, add_bos=ours.add_bos)
@@ -169,8 +170,7 @@ def measure(args):
                                                         for p, r in zip(prompts, ref_paths)]),
                               "teacher_forced": teacher_forced(ref_lp, lp, ids)}}
     if args.llama_server:
-        result["llama_server"] = llama_figures(args.llama_server, ours, prompts, ref_paths, ids, ref_lp, args.n_probs)
-        ours_top = np.exp(ref_lp)
+        result["llama_server"] = llama_figures(args.llama_server, prompts, ref_paths, ids, ref_lp, args.n_probs)
         # the same lower bound for this server, for a like-for-like comparison with llama-server's
         result["this_server"]["teacher_forced"]["kl_mean_lower_bound"] = _topn_kl(ref_lp, lp, args.n_probs)
     return result
