@@ -157,7 +157,8 @@ def measure(args):
     for name in filter(None, args.float_products.split(",")):
         targets = [ours.model.w.head] if name == "head" else [getattr(lw, name) for lw in model.w.layers]
         for t in targets:
-            t.activations = "float32"
+            if hasattr(t, "activations"):                               # float32 weights are already float
+                t.activations = "float32"
         model.plan = dataclasses.replace(model.plan, fused=False)     # the per-weight switch is step by step
     prompts = [ours.encode(p, add_bos=ours.add_bos) for p in PROMPTS]
     ref_paths = [greedy(ref, p, STEPS) for p in prompts]
