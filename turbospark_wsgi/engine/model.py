@@ -170,24 +170,36 @@ class Transformer:
     def _decode_layers(self, ids, pos, caches):
         """`decode_batch`'s layers step by step: token b at position pos[b] of caches[b] -> x `[B, 1, dim]`."""
         c, w, xp = self.cfg, self.w, self.xp
-        B, H, G, D = len(ids), c.n_head, c.n_kv_head, c.head_dim
+        B, H, G = len(ids), c.n_head, c.n_kv_head
         at = xp.asarray(np.asarray(pos, dtype=np.int64))
         ropes = [tuple(t[at] for t in self._rope_table(max(pos) + 1, k))   # [B, 1, rope_dim/2] x2
                  for k in range(len(self._inv_freqs))]
+        state = self._decode_state(pos, caches)
         x = self._embed(ids)[:, None, :]                                # [B, 1, dim]
         for i, lw in enumerate(w.layers):
             yielding.point()
             h = rms_norm(x, lw.attn_norm, c.norm_eps, xp)               # [B, 1, dim]
             qkv = self._heads(h @ lw.wqkv, lw, B)                       # [B, H+2G, D]  q|k|v heads
             qk = rope(qkv[:, :H + G], *ropes[self._layer_rope[i]], c.rope_dim, xp)   # [B, H+G, D]
-            att = xp.empty((B, 1, H * D), dtype=x.dtype)                # [B, 1, H*D]
-            for b, cache in enumerate(caches):
-                keys, vals = cache.update(i, pos[b], qk[b:b + 1, H:], qkv[b:b + 1, H + G:])
-                att[b] = self._decode_attention(qk[b:b + 1, :H], keys, vals, pos[b], self._layer_window[i])
+            att = self._decode_attend(i, qk, qkv, pos, caches, state)   # [B, 1, H*D]
             x += self._post(att @ lw.wo, lw.post_attn_norm)             # [B, 1, dim]  residual
             h = rms_norm(x, lw.ffn_norm, c.norm_eps, xp)                # [B, 1, dim]
             x += self._post(self._gate(h @ lw.w_gate_up) @ lw.w_down, lw.post_ffn_norm)   # [B, 1, dim]
         return x
+
+    def _decode_state(self, pos, caches):
+        """What a decode step's attention needs beyond the caches, made once per step (none here)."""
+        return None
+
+    def _decode_attend(self, i, qk, qkv, pos, caches, state):
+        """Layer i of a decode step: each row's new K/V (qk[:, H:], qkv[:, H+G:]) stored at pos[b] of
+        caches[b], and its rotated query heads qk[:, :H] over them -> `[B, 1, H*D]`."""
+        H, G = self.cfg.n_head, self.cfg.n_kv_head
+        att = self.xp.empty((len(caches), 1, H * self.cfg.head_dim), dtype=qk.dtype)
+        for b, cache in enumerate(caches):
+            keys, vals = cache.update(i, pos[b], qk[b:b + 1, H:], qkv[b:b + 1, H + G:])
+            att[b] = self._decode_attention(qk[b:b + 1, :H], keys, vals, pos[b], self._layer_window[i])
+        return att
 
     def _fused_layers(self, x, seq, at, caches, ends):
         """Runs every layer on x `[R, dim]` (in place) as one kernel call each: row r is position

@@ -1,9 +1,6 @@
 """The transformer of engine/model.py for weights from gpu/weights.py, a decode step's K/V stores and
 attention on the kernels: every other step is the model's own `xp` code."""
-import numpy as np
-
-from .. import yielding
-from ..model import Transformer, rms_norm, rope
+from ..model import Transformer
 from .weights import load_device_weights
 
 
@@ -26,29 +23,19 @@ class DeviceTransformer(Transformer):
     fused_attention = False
     rows_exact = False
 
-    def _decode_layers(self, ids, pos, caches):
-        """Token b at position pos[b] of caches[b] through every layer -> x `[B, 1, dim]`."""
-        c, w, xp, kern = self.cfg, self.w, self.xp, self.kernels
-        B, H, G = len(ids), c.n_head, c.n_kv_head
+    def _decode_state(self, pos, caches):
+        """The kernels' table of every row's K/V buffers and position (after growing them: growing
+        moves the buffers)."""
         for cache, p in zip(caches, pos):
-            cache.reserve(p + 1)                        # before the addresses: growing moves the buffers
-        table = kern.table([cache.k for cache in caches], [cache.v for cache in caches], pos,
-                           [cache.k.strides[0] // 4 for cache in caches])
-        at = xp.asarray(np.asarray(pos, dtype=np.int64))
-        ropes = [tuple(t[at] for t in self._rope_table(max(pos) + 1, k))   # [B, 1, rope_dim/2] x2
-                 for k in range(len(self._inv_freqs))]
-        x = self._embed(ids)[:, None, :]                                # [B, 1, dim]
-        for i, lw in enumerate(w.layers):
-            yielding.point()
-            h = rms_norm(x, lw.attn_norm, c.norm_eps, xp)               # [B, 1, dim]
-            qkv = self._heads(h @ lw.wqkv, lw, B)                       # [B, H+2G, D]  q|k|v heads
-            qk = rope(qkv[:, :H + G], *ropes[self._layer_rope[i]], c.rope_dim, xp)   # [B, H+G, D]
-            kern.store(qk[:, H:], qkv[:, H + G:], table, i)
-            att = kern.attend(qk[:, :H], table, G, self._layer_window[i], i)[:, None]   # [B, 1, H*D]
-            x += self._post(att @ lw.wo, lw.post_attn_norm)             # [B, 1, dim]  residual
-            h = rms_norm(x, lw.ffn_norm, c.norm_eps, xp)
-            x += self._post(self._gate(h @ lw.w_gate_up) @ lw.w_down, lw.post_ffn_norm)
-        return x
+            cache.reserve(p + 1)
+        return self.kernels.table([cache.k for cache in caches], [cache.v for cache in caches], pos,
+                                  [cache.k.strides[0] // 4 for cache in caches])
+
+    def _decode_attend(self, i, qk, qkv, pos, caches, table):
+        """Layer i's K/V stores for every row as one launch, and every row's attention as another."""
+        H, G = self.cfg.n_head, self.cfg.n_kv_head
+        self.kernels.store(qk[:, H:], qkv[:, H + G:], table, i)
+        return self.kernels.attend(qk[:, :H], table, G, self._layer_window[i], i)[:, None]   # [B, 1, H*D]
 
 
 def load_device_model(cfg, source, kernels):
