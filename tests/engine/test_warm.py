@@ -14,10 +14,10 @@ pytestmark = pytest.mark.skipif(not kernels_cpu.AVAILABLE, reason="numba is not 
 _LOAD = """
 import json, sys, time
 t = time.perf_counter()
-from turbospark_wsgi.engine.kernels import cpu as kernels_cpu, layer as kernels_layer, int8 as kernels_q8, warm
+from turbospark_wsgi.engine.kernels import attention, cpu as kernels_cpu, layer as kernels_layer, int8 as kernels_q8, warm
 from turbospark_wsgi.engine.loader import load_model
 m = load_model(sys.argv[1], device="cpu").model
-ds = [kernels_layer.LAYER[m.plan.isa], kernels_q8.PRODUCT[m.plan.isa], kernels_cpu._q4_batch, kernels_cpu._attend]
+ds = [kernels_layer.LAYER[m.plan.isa], kernels_q8.PRODUCT[m.plan.isa], kernels_cpu._q4_batch, attention.attend_rows]
 print(json.dumps({"misses": sum(sum(d.stats.cache_misses.values()) for d in ds),
                   "warm": warm.is_warm(m.plan.isa), "seconds": time.perf_counter() - t}))
 """

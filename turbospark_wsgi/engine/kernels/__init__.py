@@ -3,7 +3,8 @@
 - `isa`: which integer-dot instructions this CPU has, and the path the int8 kernels take;
 - `int8_dot`: the integer dot of one weight unit, one code generator per instruction set side by side;
 - `int8`: products with int8 activations (quantize each row per block of 32, exact integer dots);
-- `cpu`: products with float32 activations, the BLAS path for long prompts, attention, and `QLinear`,
+- `attention`: causal attention over the KV caches, each K/V row read once per KV head;
+- `cpu`: products with float32 activations, the BLAS path for long prompts, and `QLinear`,
   the quantized weight a model multiplies by (`x @ w`), with its KernelPlan's kernels;
 - `layer`: a whole transformer layer as one call (int8 activations);
 - `warm`: compiling them before the first request, once per machine.

@@ -7,8 +7,8 @@ tile that all rows reuse; q8 with B <= 2 unpacks per row). A row's result never 
 rows beside it. Larger calls dequantize slabs of W.T to float32 and hand them to BLAS. These
 keep activations float32: the results equal the dequantize-then-matmul reference up to float32
 summation order. With int8 activations (the model's KernelPlan) every product of any row count goes to the
-integer kernels of int8.py instead. `attend` is causal attention computed row by row, for
-prompts and decode steps alike.
+integer kernels of int8.py instead. `attend` (attention.py's) is causal attention, for prompts
+and decode steps alike.
 """
 import contextlib
 import threading
@@ -17,6 +17,7 @@ import numpy as np
 
 from .. import quant
 from . import int8
+from .attention import attend  # noqa: F401 - the step-by-step path's attention
 
 try:
     import numba
@@ -170,58 +171,6 @@ if AVAILABLE:
                     qj, o = qb[j], out[b * S + j, c:c + R]
                     for r in range(R):
                         o[r] = np.float32(np.int32(qj[r])) * db[r]
-
-
-    @njit(fastmath=True, cache=True, nogil=True)
-    def attend_head(qr, keys, vals, g, lo, p, o):   # pragma: no cover - compiled
-        # o [D] = one pre-scaled query head qr [D] over keys/values [n, G, D] of KV head g, lo..p
-        D = qr.shape[0]
-        s = np.empty(p + 1 - lo, np.float32)
-        best = np.float32(-np.inf)
-        for j in range(lo, p + 1):
-            kj = keys[j, g]
-            acc = np.float32(0)
-            for d in range(D):
-                acc += qr[d] * kj[d]
-            s[j - lo] = acc
-            best = max(best, acc)
-        o[:] = 0
-        total = np.float32(0)
-        for j in range(lo, p + 1):
-            e = np.float32(np.exp(s[j - lo] - best))
-            total += e
-            vj = vals[j, g]
-            for d in range(D):
-                o[d] += e * vj[d]
-        for d in range(D):
-            o[d] /= total
-
-    @njit(**_JIT)
-    def _attend(q, keys, vals, pos0, window, out):   # pragma: no cover - compiled
-        # q [R, H, D] pre-scaled; keys, vals [n, G, D] (n >= pos0 + R); out [R, H, D].
-        # Row r sits at position p = pos0 + r and reads keys lo..p, lo = max(0, p - window + 1)
-        # (window 0: lo = 0); query head h reads KV head h // M.
-        R, H = q.shape[:2]
-        M = H // keys.shape[1]
-        for rh in prange(R * H):
-            r, h = rh // H, rh % H
-            g, p = h // M, pos0 + rh // H
-            lo = max(0, p - window + 1) if window > 0 else 0
-            attend_head(q[r, h], keys, vals, g, lo, p, out[r, h])
-
-
-def attend(q, keys, vals, pos, window=0):
-    """Causal attention of rows q `[T, H, D]` (pre-scaled) at positions pos.. over keys/values
-    `[n, G, D]` (n >= pos + T; query head h reads KV head h // (H/G)) -> `[T, H*D]` float32.
-    With a sliding `window` the row at position p reads only keys max(0, p - window + 1)..p.
-
-    NOTE(exact-prefix): each row is computed on its own, from its position and the keys up to it,
-    by the same code whatever the call holds: a position gets the same bits in a prefill of any
-    cut and in a decode step, so cached K/V can be reused token by token, a reply's included."""
-    T, H, D = q.shape
-    out = np.empty((T, H, D), np.float32)
-    _attend(np.ascontiguousarray(q, dtype=np.float32), keys, vals, pos, int(window), out)
-    return out.reshape(T, H * D)
 
 
 class QLinear:

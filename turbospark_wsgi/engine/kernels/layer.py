@@ -11,7 +11,7 @@ medians of 7 interleaved rounds: B = 1 23.6 -> 15.8 ms a step (1.49x), B = 8 53.
 (1.13x), B = 16 105.7 -> 104.8 ms (1.01x). A fresh numba cache compiles these kernels in ~3-4 s more.
 
 NOTE(exact-batching): every step is computed row by row by the same code whatever R is and whatever
-rows stand beside it (the products are int8.py's, attention cpu.py's head loop), so a
+rows stand beside it (the products are int8.py's, attention attention.py's), so a
 position's numbers never depend on its neighbours or on how a prompt was cut. The float steps
 (norms, rope, gates) round differently from the numpy ones of the unfused path, so a model runs
 every call, prompt and decode alike, on this path or every call on the other (`Transformer.fused`).
@@ -22,14 +22,11 @@ sequence's K buffer address, V buffer address and capacity (buffers float32 C-co
 """
 import numpy as np
 
-from . import cpu, int8, isa
+from . import attention, int8, isa
 
 try:
     import numba
-    from llvmlite import ir
-    from numba import carray, literally, njit, prange
-    from numba.core import types
-    from numba.extending import intrinsic
+    from numba import literally, njit
 except ImportError:            # pragma: no cover - exercised only where numba is absent
     numba = None
 
@@ -42,15 +39,6 @@ if AVAILABLE:
     # LLVM from vectorising every loop that divides (SwiGLU of 8 rows: 29 us -> 1.3 us).
     _JIT = dict(cache=True, nogil=True, error_model="numpy")
     _FM = dict(_JIT, fastmath={"nnan", "ninf", "nsz", "contract"})
-
-    @intrinsic
-    def _f32_at(typingctx, addr):
-        """The float32 pointer at integer address `addr`."""
-        sig = types.CPointer(types.float32)(types.int64)
-
-        def codegen(context, builder, signature, args):
-            return builder.inttoptr(args[0], ir.PointerType(ir.FloatType()))
-        return sig, codegen
 
     @njit(**_FM)
     def _norm(x, w, eps, out):   # pragma: no cover - compiled
@@ -76,33 +64,6 @@ if AVAILABLE:
         for r in range(x.shape[0]):
             _norm(x[r], w, eps, out[r])
 
-    @intrinsic
-    def _pow2(typingctx, n):
-        """2**n as float32 for an int32 n in [-126, 127]: the exponent bits set directly."""
-        sig = types.float32(types.int32)
-
-        def codegen(context, builder, signature, args):
-            i32 = ir.IntType(32)
-            bits = builder.shl(builder.add(args[0], ir.Constant(i32, 127)), ir.Constant(i32, 23))
-            return builder.bitcast(bits, ir.FloatType())
-        return sig, codegen
-
-    @njit(**_FM)
-    def _exp(x):   # pragma: no cover - compiled
-        # e^x for float32 x (clamped to [-87, 88]): x = n ln2 + r, |r| <= ln2/2, e^r by Cephes' expf
-        # polynomial (within 1.4 float32 ulps), times 2^n. Plain arithmetic that vectorises where
-        # libm's expf or tanhf, one call per value, does not: the SwiGLU of 8 rows took 118 us with
-        # tanhf against numpy's 9 us, and 2.5 us with this.
-        x = min(max(x, np.float32(-87.0)), np.float32(88.0))
-        n = np.floor(x * np.float32(1.44269504088896341) + np.float32(0.5))
-        r = x - n * np.float32(0.693359375) + n * np.float32(2.12194440e-4)
-        p = np.float32(1.9875691500e-4) * r + np.float32(1.3981999507e-3)
-        p = p * r + np.float32(8.3334519073e-3)
-        p = p * r + np.float32(4.1665795894e-2)
-        p = p * r + np.float32(1.6666665459e-1)
-        p = p * r + np.float32(5.0000001201e-1)
-        return (p * r * r + r + np.float32(1)) * _pow2(np.int32(n))
-
     @njit(**_FM)
     def _gate_rows(gu, gelu, out):   # pragma: no cover - compiled
         # out [R, F] = silu(gate) * up, or gelu_tanh(gate) * up, gu [R, 2F] = gate | up; both as
@@ -114,16 +75,10 @@ if AVAILABLE:
             if gelu:
                 for j in range(F):
                     z = c * (g[j] + np.float32(0.044715) * g[j] * g[j] * g[j])
-                    o[j] = g[j] / (np.float32(1) + _exp(-z)) * u[j]
+                    o[j] = g[j] / (np.float32(1) + attention.exp(-z)) * u[j]
             else:
                 for j in range(F):
-                    o[j] = g[j] / (np.float32(1) + _exp(-g[j])) * u[j]
-
-    @njit(**_JIT)
-    def _layer_view(kv, s, which, li, G, D):   # pragma: no cover - compiled
-        # sequence s's K (which 0) or V (1) buffer of layer li as [capacity, G, D]
-        cap = kv[s, 2]
-        return carray(_f32_at(kv[s, which] + 4 * li * cap * G * D), (cap, G, D))
+                    o[j] = g[j] / (np.float32(1) + attention.exp(-g[j])) * u[j]
 
     @njit(**_FM)
     def _heads_to_cache(qkv, seq, pos, kv, li, cos, sin, qk_norm, eps, H, G, D):   # pragma: no cover - compiled
@@ -142,24 +97,12 @@ if AVAILABLE:
                     x[i] = x1 * c - x2 * sn
                     x[half + i] = x2 * c + x1 * sn
             # NOTE(compile): element loops; the slice assignments took 7 s more to compile
-            keys, vals = _layer_view(kv, s, 0, li, G, D), _layer_view(kv, s, 1, li, G, D)
+            keys, vals = attention.layer_view(kv, s, 0, li, G, D), attention.layer_view(kv, s, 1, li, G, D)
             for g in range(G):
                 kd, vd = keys[p, g], vals[p, g]
                 for d in range(D):
                     kd[d] = qkv[r, (H + g) * D + d]
                     vd[d] = qkv[r, (H + G + g) * D + d]
-
-    @njit(parallel=True, **_JIT)
-    def _attend_rows(qkv, seq, pos, kv, li, window, H, G, D, out):   # pragma: no cover - compiled
-        # out [R, H*D]: row r's query heads (qkv[r], pre-scaled, rotated) over its sequence's keys
-        R = qkv.shape[0]
-        M = H // G
-        for rh in prange(R * H):
-            r, h = rh // H, rh % H
-            g, p = h // M, pos[r]
-            lo = max(0, p - window + 1) if window > 0 else 0
-            cpu.attend_head(qkv[r, h * D:(h + 1) * D], _layer_view(kv, seq[r], 0, li, G, D),
-                                    _layer_view(kv, seq[r], 1, li, G, D), g, lo, p, out[r, h * D:(h + 1) * D])
 
     @njit(**_FM)
     def _residual(x, y, norms, post, eps):   # pragma: no cover - compiled
@@ -189,7 +132,7 @@ if AVAILABLE:
                 qr[j] += bqkv[j]
         _heads_to_cache(qkv, seq, pos, kv, li, cos, sin, qk_norm, eps, H, G, D)
         att = np.empty((R, H * D), np.float32)
-        _attend_rows(qkv, seq, pos, kv, li, window, H, G, D, att)
+        attention.attend_rows(qkv, seq, pos, kv, li, window, H, G, D, att)
         int8.product(att, qvs[1], ds[1], ms[1], h, isa_id)
         _residual(x, h, norms, 2, eps)
         _norm_rows(x, norms[1], eps, h)

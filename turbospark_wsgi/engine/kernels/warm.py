@@ -22,8 +22,8 @@ import subprocess
 import sys
 import tempfile
 
-_KERNELS = ("cpu.py", "int8.py", "int8_dot.py", "layer.py", "isa.py", "../quant.py")
-_MODULES = ("cpu", "int8", "int8_dot", "layer")       # the modules numba caches kernels of
+_KERNELS = ("attention.py", "cpu.py", "int8.py", "int8_dot.py", "layer.py", "isa.py", "../quant.py")
+_MODULES = ("attention", "cpu", "int8", "int8_dot", "layer")       # the modules numba caches kernels of
 
 
 def cache_dir():

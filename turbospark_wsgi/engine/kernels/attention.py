@@ -1,0 +1,287 @@
+"""Causal attention over the KV caches (numba, CPU): rows of query heads against the keys and values
+of their sequence, each key and value row read once for all the query heads that share its KV head.
+
+The work is cut into tasks of (block, KV head, key chunk): a block is up to ROWS consecutive rows of
+one sequence (a prompt's rows; a decode step's rows are one block each), a key chunk is CHUNK
+positions aligned to absolute position (chunk c holds keys c*CHUNK .. c*CHUNK + CHUNK - 1). A task
+computes, for each query head of its block's rows that reads the KV head, the scores over its
+chunk's keys, their maximum m, the sum t of exp(score - m) and o = sum of exp(score - m) * v; the
+chunks' partials are then merged in chunk order. Many tasks (long prompts, large batches) merge
+as they go; few (one stream decoding at depth) compute every chunk in parallel first.
+
+NOTE(exact-prefix): a row's numbers are a function of its query, its position and the keys up to it
+alone, the same whatever rows share its block and whichever way the chunks were scheduled: the
+chunks are fixed by absolute position, every per-row step (its dots, exps, sums and the merge) runs
+in the same order on the same code. So cached K/V can be reused token by token, a reply's included,
+and a prompt gets the same bits in one call or cut in pieces.
+
+PERF(attention): the per-head loop read the float32 K/V once per query head (SmolLM2-135M: 3 query
+heads per KV head) and split a decode step into only H tasks; see tools/bench_decode.py --depth.
+
+The KV caches are reached by address: `kv` [S, 3] int64 holds each sequence's K buffer address, V
+buffer address and capacity (buffers float32 C-contiguous [n_layer, capacity, G, D], kept alive and
+large enough by the caller for the call's length). `exp` is the vectorisable e^x the layer's gates
+share.
+"""
+import numpy as np
+
+try:
+    from llvmlite import ir
+    from numba import carray, njit, prange
+    from numba.core import types
+    from numba.extending import intrinsic
+except ImportError:            # pragma: no cover - exercised only where numba is absent
+    njit = None
+
+AVAILABLE = njit is not None
+ROWS = 8        # rows of one sequence in a block
+CHUNK = 256     # keys in a chunk; NOTE(exact-prefix): changing it changes every long row's bits
+SPREAD_BELOW = 32   # fewer (block, KV head) pairs than this: a call computes its chunks in parallel
+EMPTY = np.float32(-3.0e38)    # a partial's m where the chunk holds no key of the row (the kernels assume no inf)
+
+
+if AVAILABLE:
+    # NOTE(exact-prefix): no reassociation in the row loops; the one reassociated loop is `_dot`,
+    # a function of its two vectors only.
+    _JIT = dict(cache=True, nogil=True, error_model="numpy")
+    _FM = dict(_JIT, fastmath={"nnan", "ninf", "nsz", "contract"})
+
+    @intrinsic
+    def _f32_at(typingctx, addr):
+        """The float32 pointer at integer address `addr`."""
+        sig = types.CPointer(types.float32)(types.int64)
+
+        def codegen(context, builder, signature, args):
+            return builder.inttoptr(args[0], ir.PointerType(ir.FloatType()))
+        return sig, codegen
+
+    @njit(**_JIT)
+    def layer_view(kv, s, which, li, G, D):   # pragma: no cover - compiled
+        # sequence s's K (which 0) or V (1) buffer of layer li as [capacity, G, D]
+        cap = kv[s, 2]
+        return carray(_f32_at(kv[s, which] + 4 * li * cap * G * D), (cap, G, D))
+
+    @intrinsic
+    def _pow2(typingctx, n):
+        """2**n as float32 for an int32 n in [-126, 127]: the exponent bits set directly."""
+        sig = types.float32(types.int32)
+
+        def codegen(context, builder, signature, args):
+            i32 = ir.IntType(32)
+            bits = builder.shl(builder.add(args[0], ir.Constant(i32, 127)), ir.Constant(i32, 23))
+            return builder.bitcast(bits, ir.FloatType())
+        return sig, codegen
+
+    @njit(**_FM)
+    def exp(x):   # pragma: no cover - compiled
+        # e^x for float32 x (clamped to [-87, 88]): x = n ln2 + r, |r| <= ln2/2, e^r by Cephes' expf
+        # polynomial (within 1.4 float32 ulps), times 2^n. Plain arithmetic that vectorises where
+        # libm's expf or tanhf, one call per value, does not: the SwiGLU of 8 rows took 118 us with
+        # tanhf against numpy's 9 us, and 2.5 us with this.
+        x = min(max(x, np.float32(-87.0)), np.float32(88.0))
+        n = np.floor(x * np.float32(1.44269504088896341) + np.float32(0.5))
+        r = x - n * np.float32(0.693359375) + n * np.float32(2.12194440e-4)
+        p = np.float32(1.9875691500e-4) * r + np.float32(1.3981999507e-3)
+        p = p * r + np.float32(8.3334519073e-3)
+        p = p * r + np.float32(4.1665795894e-2)
+        p = p * r + np.float32(1.6666665459e-1)
+        p = p * r + np.float32(5.0000001201e-1)
+        return (p * r * r + r + np.float32(1)) * _pow2(np.int32(n))
+
+    @njit(fastmath=True, cache=True, nogil=True)
+    def _dot(q, k):   # pragma: no cover - compiled
+        # vectorised with reassociation: the lanes' order is fixed by this loop alone
+        acc = np.float32(0)
+        for d in range(q.shape[0]):
+            acc += q[d] * k[d]
+        return acc
+
+    @njit(fastmath=True, cache=True, nogil=True)
+    def _total(e):   # pragma: no cover - compiled
+        acc = np.float32(0)
+        for j in range(e.shape[0]):
+            acc += e[j]
+        return acc
+
+    @njit(inline="always", **_FM)
+    def _span(pos, window, r, j0, j1):   # pragma: no cover - compiled
+        # the keys a..b-1 of chunk j0..j1-1 that the row at position pos[r] reads
+        p = pos[r]
+        lo = max(0, p - window + 1) if window > 0 else 0
+        return max(lo, j0), min(p + 1, j1)
+
+    @njit(**_FM)
+    def _vector(qv, keys, vals, g, a, b, s, o):   # pragma: no cover - compiled
+        # one query vector over keys a..b-1 (a < b) of KV head g: o = sum e * v, -> (max score, sum e)
+        for j in range(a, b):
+            s[j - a] = _dot(qv, keys[j, g])
+        best = s[0]
+        for j in range(1, b - a):
+            best = max(best, s[j])
+        for j in range(b - a):
+            s[j] = exp(s[j] - best)
+        for d in range(o.shape[0]):
+            o[d] = 0
+        # PERF(attention): four values a pass, so o is loaded and stored a quarter as often
+        j = a
+        while j + 4 <= b:
+            e0, e1, e2, e3 = s[j - a], s[j + 1 - a], s[j + 2 - a], s[j + 3 - a]
+            v0, v1, v2, v3 = vals[j, g], vals[j + 1, g], vals[j + 2, g], vals[j + 3, g]
+            for d in range(o.shape[0]):
+                o[d] += (e0 * v0[d] + e1 * v1[d]) + (e2 * v2[d] + e3 * v3[d])
+            j += 4
+        for j in range(j, b):
+            e, vj = s[j - a], vals[j, g]
+            for d in range(o.shape[0]):
+                o[d] += e * vj[d]
+        return best, _total(s[:b - a])
+
+    @njit(**_FM)
+    def _partial(q, pos, window, r0, r1, keys, vals, g, M, D, j0, j1, o, m, t):   # pragma: no cover - compiled
+        # For vector i = (row r0 + i // M, query head g*M + i % M) over keys j0..j1-1 of KV head g:
+        # m[i] the highest score (EMPTY: no key of the chunk), t[i] = sum e, o[i] = sum e * v. The M
+        # vectors of a row read the chunk's K/V one after another, from the core's cache.
+        s = np.empty(j1 - j0, np.float32)
+        for i in range((r1 - r0) * M):
+            r, h = r0 + i // M, g * M + i % M
+            a, b = _span(pos, window, r, j0, j1)
+            if a >= b:
+                m[i], t[i] = EMPTY, 0
+                for d in range(D):
+                    o[i, d] = 0
+            else:
+                m[i], t[i] = _vector(q[r, h * D:(h + 1) * D], keys, vals, g, a, b, s, o[i])
+
+    @njit(inline="always", **_FM)
+    def _merge(o, m, t, oc, mc, tc):   # pragma: no cover - compiled
+        # the running (o [n, D], m, t) of every vector with one more chunk's partial, in place
+        for i in range(m.shape[0]):
+            if mc[i] == EMPTY:
+                continue
+            if m[i] == EMPTY:
+                m[i], t[i] = mc[i], tc[i]
+                for d in range(o.shape[1]):
+                    o[i, d] = oc[i, d]
+                continue
+            best = max(m[i], mc[i])
+            a, b = exp(m[i] - best), exp(mc[i] - best)
+            m[i], t[i] = best, t[i] * a + tc[i] * b
+            for d in range(o.shape[1]):
+                o[i, d] = o[i, d] * a + oc[i, d] * b
+
+    @njit(inline="always", **_FM)
+    def _store(o, t, r0, g, M, D, out):   # pragma: no cover - compiled
+        for i in range(o.shape[0]):
+            r, h = r0 + i // M, g * M + i % M
+            inv = np.float32(1) / t[i]
+            for d in range(D):
+                out[r, h * D + d] = o[i, d] * inv
+
+    @njit(**_JIT)
+    def _blocks(seq, pos, window):   # pragma: no cover - compiled
+        # [nb, 4]: each block's first row, end row, first chunk and chunk count
+        R = seq.shape[0]
+        out = np.empty((R, 4), np.int64)
+        nb, r = 0, 0
+        while r < R:
+            e = r + 1
+            while e < R and e - r < ROWS and seq[e] == seq[r]:
+                e += 1
+            c0, c1 = 1 << 62, 0
+            for x in range(r, e):
+                a, b = _span(pos, window, x, 0, pos[x] + 1)
+                c0, c1 = min(c0, a // CHUNK), max(c1, (b - 1) // CHUNK)
+            out[nb, 0], out[nb, 1], out[nb, 2], out[nb, 3] = r, e, c0, c1 - c0 + 1
+            nb, r = nb + 1, e
+        return out[:nb]
+
+    @njit(inline="always", **_JIT)
+    def _chunk(q, seq, pos, kv, li, window, H, G, D, blocks, b, g, c, o, m, t):   # pragma: no cover - compiled
+        # the partial (o, m, t) of block b's rows over chunk c of KV head g
+        r0, r1 = blocks[b, 0], blocks[b, 1]
+        k, v = layer_view(kv, seq[r0], 0, li, G, D), layer_view(kv, seq[r0], 1, li, G, D)
+        _partial(q, pos, window, r0, r1, k, v, g, H // G, D, c * CHUNK, (c + 1) * CHUNK, o, m, t)
+
+    @njit(**_JIT)
+    def _block_head(q, seq, pos, kv, li, window, H, G, D, blocks, b, g, po, pm, pt, task, out):   # pragma: no cover - compiled
+        # block b's rows for KV head g into out, from its chunks' partials: those at po/pm/pt[task..]
+        # (task >= 0), or else computed here chunk by chunk, each merged as it comes
+        r0, r1, c0, nc = blocks[b, 0], blocks[b, 1], blocks[b, 2], blocks[b, 3]
+        rows = (r1 - r0) * (H // G)
+        o, m, t = np.empty((rows, D), np.float32), np.empty(rows, np.float32), np.empty(rows, np.float32)
+        oc, mc, tc = np.empty((rows, D), np.float32), np.empty(rows, np.float32), np.empty(rows, np.float32)
+        for i in range(rows):
+            m[i] = EMPTY
+        for c in range(nc):
+            if task < 0:
+                _chunk(q, seq, pos, kv, li, window, H, G, D, blocks, b, g, c0 + c, oc, mc, tc)
+                _merge(o, m, t, oc, mc, tc)
+            else:
+                _merge(o, m, t, po[task + c], pm[task + c], pt[task + c])
+        _store(o, t, r0, g, H // G, D, out)
+
+    @njit(**_JIT)
+    def _plan(seq, pos, window, H, G, D):   # pragma: no cover - compiled
+        # The call's tasks: spread, one per (block, KV head, chunk), block b's at G * first[b] + g * nc
+        # + c, their partials in po/pm/pt; else one per (block, KV head). owner: each task's block.
+        blocks = _blocks(seq, pos, window)
+        nb = blocks.shape[0]
+        spread = nb * G < SPREAD_BELOW
+        first = np.empty(nb + 1, np.int64)
+        first[0] = 0
+        for b in range(nb):
+            first[b + 1] = first[b] + (blocks[b, 3] if spread else 1)
+        owner = np.empty(G * first[nb], np.int64)
+        for b in range(nb):
+            for x in range(G * first[b], G * first[b + 1]):
+                owner[x] = b
+        n, tasks = (ROWS * (H // G), owner.shape[0]) if spread else (0, 0)
+        po = np.empty((tasks, n, D), np.float32)
+        return blocks, first, owner, spread, po, np.empty((tasks, n), np.float32), np.empty((tasks, n), np.float32)
+
+    @njit(**_JIT)
+    def _task(x, q, seq, pos, kv, li, window, H, G, D, blocks, first, owner, spread, po, pm, pt, out):   # pragma: no cover - compiled
+        b = owner[x]
+        nc = blocks[b, 3] if spread else 1
+        g, c = (x - G * first[b]) // nc, (x - G * first[b]) % nc
+        if spread:
+            _chunk(q, seq, pos, kv, li, window, H, G, D, blocks, b, g, blocks[b, 2] + c, po[x], pm[x], pt[x])
+        else:
+            _block_head(q, seq, pos, kv, li, window, H, G, D, blocks, b, g, po, pm, pt, np.int64(-1), out)
+
+    @njit(**_JIT)
+    def _gather(q, seq, pos, kv, li, window, H, G, D, blocks, first, po, pm, pt, out):   # pragma: no cover - compiled
+        # spread: every (block, KV head) merged from its chunks' partials (a few, small: one thread)
+        for bg in range(blocks.shape[0] * G):
+            b, g = bg // G, bg % G
+            _block_head(q, seq, pos, kv, li, window, H, G, D, blocks, b, g, po, pm, pt,
+                        G * first[b] + g * blocks[b, 3], out)
+
+    @njit(parallel=True, **_JIT)
+    def attend_rows(q, seq, pos, kv, li, window, H, G, D, out):   # pragma: no cover - compiled
+        # out [R, H*D]: row r's query heads (q[r, :H*D], pre-scaled, rotated) at position pos[r] of
+        # sequence seq[r] over its keys lo..pos[r] of layer li (lo = pos[r] - window + 1, or 0);
+        # query head h reads KV head h // (H/G)
+        # NOTE(compile): the parallel function holds only the loop (numba's parallel passes took
+        # seconds longer over the planning)
+        blocks, first, owner, spread, po, pm, pt = _plan(seq, pos, window, H, G, D)
+        for x in prange(owner.shape[0]):
+            _task(np.int64(x), q, seq, pos, kv, li, window, H, G, D, blocks, first, owner, spread, po, pm, pt, out)
+        if spread:
+            _gather(q, seq, pos, kv, li, window, H, G, D, blocks, first, po, pm, pt, out)
+
+
+def attend(q, keys, vals, pos, window=0):
+    """Causal attention of rows q `[T, H, D]` (pre-scaled) at positions pos.. over keys/values
+    `[n, G, D]` (n >= pos + T; query head h reads KV head h // (H/G)) -> `[T, H*D]` float32.
+    With a sliding `window` the row at position p reads only keys max(0, p - window + 1)..p.
+    A row gets the same bits as in `attend_rows` (see NOTE(exact-prefix) above)."""
+    T, H, D = q.shape
+    G = keys.shape[1]
+    keys = np.ascontiguousarray(keys, dtype=np.float32)
+    vals = np.ascontiguousarray(vals, dtype=np.float32)
+    kv = np.array([[keys.ctypes.data, vals.ctypes.data, keys.shape[0]]], np.int64)
+    out = np.empty((T, H * D), np.float32)
+    attend_rows(np.ascontiguousarray(q, dtype=np.float32).reshape(T, H * D), np.zeros(T, np.int64),
+                np.arange(pos, pos + T, dtype=np.int64), kv, 0, int(window), H, G, D, out)
+    return out
