@@ -25,6 +25,7 @@ class Transformer:
         self.rotary = RotaryTables(cfg, weights.rope_freqs, xp)
         self.attention = Attention(xp, kernel=self.fused_attention)
         self._layer_window = [cfg.layer_window(i) for i in range(cfg.n_layer)]   # 0: global attention
+        self.layers = DecoderLayers(cfg, weights, xp)        # the step-by-step path
         self._rows_exact = None
         self._layer_args = None     # kernels_layer.layer_args of every layer, built on first use; False: none
 
@@ -102,21 +103,13 @@ class Transformer:
 
     def _prompt_layers(self, x, pos, cache, mm):
         """`forward`'s layers step by step on x `[T, dim]` (in place) at positions pos.., products by `mm`."""
-        c, w, xp = self.cfg, self.w, self.xp
-        T, H, G = len(x), c.n_head, c.n_kv_head
-        ropes = self.rotary.layers(pos + T, slice(pos, pos + T))       # [T, 1, rope_dim/2] x2 per layer
+        H, G, T = self.cfg.n_head, self.cfg.n_kv_head, len(x)
         span = self.attention.span(pos + T)
-        for i, lw in enumerate(w.layers):
-            yielding.point()                                            # NOTE(front-door): see yielding.py
-            h = rms_norm(x, lw.attn_norm, c.norm_eps, xp)               # [T, dim]
-            qkv = self._heads(mm(h, lw.wqkv, xp), lw, T)                # [T, H+2G, D]  q|k|v heads
-            qk = rope(qkv[:, :H + G], *ropes[i], c.rope_dim, xp)        # [T, H+G, D]
+
+        def attend(i, qk, qkv):
             keys, vals = cache.update(i, pos, qk[:, H:], qkv[:, H + G:], span)  # [<=span, G, D] each
-            att = self.attention.prompt(qk[:, :H], keys, vals, pos, self._layer_window[i])   # [T, H*D]
-            x += self._post(mm(att, lw.wo, xp), lw.post_attn_norm)      # [T, dim]  residual
-            h = rms_norm(x, lw.ffn_norm, c.norm_eps, xp)                # [T, dim]
-            g = self._gate(mm(h, lw.w_gate_up, xp))                     # [T, ffn_dim]
-            x += self._post(mm(g, lw.w_down, xp), lw.post_ffn_norm)     # [T, dim]  residual
+            return self.attention.prompt(qk[:, :H], keys, vals, pos, self._layer_window[i])   # [T, H*D]
+        self.layers.run(x, self.rotary.layers(pos + T, slice(pos, pos + T)), mm, attend)
 
     def decode_batch(self, tokens, caches):
         """One decode step for B rows: token b runs at the next free position of caches[b], which
@@ -150,23 +143,12 @@ class Transformer:
         return self._cap(to_host(rms_norm(x, w.norm, c.norm_eps, xp) @ w.head)[:, 0])   # [B, vocab]
 
     def _decode_layers(self, ids, pos, caches):
-        """`decode_batch`'s layers step by step: token b at position pos[b] of caches[b] -> x `[B, 1, dim]`."""
-        c, w, xp = self.cfg, self.w, self.xp
-        B, H, G = len(ids), c.n_head, c.n_kv_head
-        at = xp.asarray(np.asarray(pos, dtype=np.int64))
-        ropes = self.rotary.layers(max(pos) + 1, at)                   # [B, 1, rope_dim/2] x2 per layer
+        """`decode_batch`'s layers step by step: token b at position pos[b] of caches[b] -> x `[B, 1, dim]`.
+        Each product is a stack of single-row products (NOTE(exact-batching))."""
+        at = self.xp.asarray(np.asarray(pos, dtype=np.int64))
         state = self._decode_state(pos, caches)
-        x = self._embed(ids)[:, None, :]                                # [B, 1, dim]
-        for i, lw in enumerate(w.layers):
-            yielding.point()
-            h = rms_norm(x, lw.attn_norm, c.norm_eps, xp)               # [B, 1, dim]
-            qkv = self._heads(h @ lw.wqkv, lw, B)                       # [B, H+2G, D]  q|k|v heads
-            qk = rope(qkv[:, :H + G], *ropes[i], c.rope_dim, xp)        # [B, H+G, D]
-            att = self._decode_attend(i, qk, qkv, pos, caches, state)   # [B, 1, H*D]
-            x += self._post(att @ lw.wo, lw.post_attn_norm)             # [B, 1, dim]  residual
-            h = rms_norm(x, lw.ffn_norm, c.norm_eps, xp)                # [B, 1, dim]
-            x += self._post(self._gate(h @ lw.w_gate_up) @ lw.w_down, lw.post_ffn_norm)   # [B, 1, dim]
-        return x
+        return self.layers.run(self._embed(ids)[:, None, :], self.rotary.layers(max(pos) + 1, at), plain_matmul,
+                               lambda i, qk, qkv: self._decode_attend(i, qk, qkv, pos, caches, state))
 
     def _decode_state(self, pos, caches):
         """What a decode step's attention needs beyond the caches, made once per step (none here)."""
@@ -204,6 +186,55 @@ class Transformer:
         kernels_layer.LAYER[self.plan.isa](self._embed(one), one, one, kernels_layer.addresses([cache]), 0, self._layer_window[0],
                             *self.rotary.layers(1)[0], *self._layer_args[0])
 
+    def _cap(self, logits):
+        """Final logit soft-capping (cap * tanh(logits / cap)) where the config sets a cap."""
+        cap = self.cfg.final_softcap
+        if not cap:
+            return logits
+        return (np.tanh(logits / np.float32(cap)) * np.float32(cap)).astype(np.float32)
+
+    def _embed(self, ids):
+        w, xp = self.w, self.xp
+        ids = xp.asarray(ids)
+        if w.tok_embd is not None:
+            x = w.tok_embd[ids]                                         # [T, dim]
+        else:
+            x = xp.ascontiguousarray(w.head[:, ids].T)                  # tied: columns of the head
+        if self.cfg.embed_scale:
+            x = x * np.float32(np.sqrt(self.cfg.dim))                   # Gemma: times sqrt(dim)
+        return x
+
+
+class DecoderLayers:
+    """The decoder layers step by step in the array module `xp`: RMSNorm, the q|k|v heads (with the
+    architecture's biases and q/k norms), rotary, an attention the caller gives, the output
+    projection, the gated MLP, post norms where the architecture has them, and the residuals.
+    Every other step is row-wise: a row's bits depend on the rows beside it only through the
+    products `mm` and the attention.
+
+    The Transformer runs prompts and decode steps through it when the fused layer kernel
+    (kernels/layer.py, the same steps in one call per layer) does not run."""
+
+    def __init__(self, cfg, weights, xp):
+        self.cfg, self.weights, self.xp = cfg, weights, xp
+
+    def run(self, x, ropes, mm, attend):
+        """Every layer on x `[R, dim]` or `[R, 1, dim]` (in place), products by `mm`:
+        `ropes[i]` rotates layer i's q and k heads, `attend(i, qk, qkv)` stores layer i's new K/V
+        and returns its attention `[R, H*D]` or `[R, 1, H*D]`. Returns x."""
+        c, xp = self.cfg, self.xp
+        H, G = c.n_head, c.n_kv_head
+        for i, lw in enumerate(self.weights.layers):
+            yielding.point()                                            # NOTE(front-door): see yielding.py
+            h = rms_norm(x, lw.attn_norm, c.norm_eps, xp)
+            qkv = self._heads(mm(h, lw.wqkv, xp), lw, len(x))           # [R, H+2G, D]  q|k|v heads
+            qk = rope(qkv[:, :H + G], *ropes[i], c.rope_dim, xp)        # [R, H+G, D]
+            x += self._post(mm(attend(i, qk, qkv), lw.wo, xp), lw.post_attn_norm)   # residual
+            h = rms_norm(x, lw.ffn_norm, c.norm_eps, xp)
+            g = self._gate(mm(h, lw.w_gate_up, xp))                     # [R, (1,) ffn_dim]
+            x += self._post(mm(g, lw.w_down, xp), lw.post_ffn_norm)     # residual
+        return x
+
     def _heads(self, qkv, lw, rows):
         """The q|k|v product `[rows, (H+2G)*D]` (any leading shape) as heads `[rows, H+2G, D]`, with
         the architecture's biases added and q/k heads RMS-normed where it has them.
@@ -229,24 +260,6 @@ class Transformer:
         """The MLP's gated activation of gate|up: SiLU, or GELU (tanh) for Gemma."""
         c = self.cfg
         return (gelu_tanh_gate if c.gelu_gate else swiglu)(gu, c.ffn_dim, self.xp)
-
-    def _cap(self, logits):
-        """Final logit soft-capping (cap * tanh(logits / cap)) where the config sets a cap."""
-        cap = self.cfg.final_softcap
-        if not cap:
-            return logits
-        return (np.tanh(logits / np.float32(cap)) * np.float32(cap)).astype(np.float32)
-
-    def _embed(self, ids):
-        w, xp = self.w, self.xp
-        ids = xp.asarray(ids)
-        if w.tok_embd is not None:
-            x = w.tok_embd[ids]                                         # [T, dim]
-        else:
-            x = xp.ascontiguousarray(w.head[:, ids].T)                  # tied: columns of the head
-        if self.cfg.embed_scale:
-            x = x * np.float32(np.sqrt(self.cfg.dim))                   # Gemma: times sqrt(dim)
-        return x
 
 
 def _probe_rows_exact(model, rows=128):
