@@ -248,7 +248,7 @@ def test_gemma3_local_layers_use_their_own_rotary_base(tmp_path):
     path, cfg, held = family_gguf(tmp_path, "gemma3")
     model = load_model(path, device="cpu").model
     ours = model.forward(parity.PROMPT, model.new_cache(), logits="all")
-    model._layer_rope = [0] * len(model._layer_rope)
+    model.rotary.layer_kind = [0] * len(model.rotary.layer_kind)
     assert np.abs(model.forward(parity.PROMPT, model.new_cache(), logits="all") - ours).max() > 0.01
 
 
@@ -297,8 +297,8 @@ def test_windowed_phi3_gguf_matches_transformers(tmp_path):
 def test_gemma3_window_on_the_blocked_attention_path(tmp_path, monkeypatch):
     """The attention the CuPy backend runs (aligned blocks, masks; here on numpy) windows like the
     fused CPU kernel, on a prompt that crosses an attention block's end."""
-    from turbospark_wsgi.engine import model as model_mod
-    monkeypatch.setattr(model_mod, "ATTN_BLOCK", 16)
+    from turbospark_wsgi.engine import attention, model as model_mod
+    monkeypatch.setattr(attention, "ATTN_BLOCK", 16)
     monkeypatch.setattr(model_mod.Transformer, "fused_attention", property(lambda self: False))
     path, cfg, held = family_gguf(tmp_path, "gemma3")
     loaded = load_model(path, device="cpu")

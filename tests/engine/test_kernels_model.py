@@ -2,10 +2,12 @@
 import numpy as np
 import pytest
 
-from turbospark_wsgi.engine import model as model_mod
+from turbospark_wsgi.engine import attention as attention_mod
+from turbospark_wsgi.engine.attention import ATTN_BLOCK, rope
+from turbospark_wsgi.engine.exact_rows import rows_matmul
 from turbospark_wsgi.engine.kv_cache import KVCache
 from turbospark_wsgi.engine.loader import load_model
-from turbospark_wsgi.engine.model import ATTN_BLOCK, rms_norm, rope, swiglu
+from turbospark_wsgi.engine.model import rms_norm, swiglu
 
 
 def naive_attention(q, keys, vals, pos, window=0):
@@ -38,9 +40,9 @@ def test_blocked_attention_matches_naive(tiny_gguf, T, pos, H, G, window):
     keys = rng.standard_normal((span, G, 8)).astype(np.float32)
     vals = rng.standard_normal((span, G, 8)).astype(np.float32)
     want = naive_attention(q, keys, vals, pos, window)
-    assert np.abs(m._block_attention(q, keys, vals, pos, window) - want).max() < 1e-5
+    assert np.abs(m.attention.blocked(q, keys, vals, pos, window) - want).max() < 1e-5
     if T == 1:
-        assert np.abs(m._attention(q, keys[:pos + 1], vals[:pos + 1], pos, window) - want).max() < 1e-5
+        assert np.abs(m.attention.row(q, keys[:pos + 1], vals[:pos + 1], pos, window) - want).max() < 1e-5
 
 
 def explicit_window_mask(p0, rows, lo, n, window, m):
@@ -62,20 +64,20 @@ def test_window_masks_are_views_of_one_band_with_the_written_out_bits(tiny_gguf,
     span = -(-(pos + T) // ATTN_BLOCK) * ATTN_BLOCK
     keys = rng.standard_normal((span, G, 8)).astype(np.float32)
     vals = rng.standard_normal((span, G, 8)).astype(np.float32)
-    masks, real = [], m._window_mask
+    masks, real = [], m.attention._window_mask
 
     def spy(*args):
         masks.append((args, real(*args)))
         return masks[-1][1]
-    monkeypatch.setattr(m, "_window_mask", spy)
-    got = m._block_attention(q, keys, vals, pos, window)
+    monkeypatch.setattr(m.attention, "_window_mask", spy)
+    got = m.attention.blocked(q, keys, vals, pos, window)
     for args, mask in masks:
         assert np.array_equal(mask, explicit_window_mask(*args)), args
-    monkeypatch.setattr(m, "_window_mask", explicit_window_mask)
-    assert np.array_equal(got, m._block_attention(q, keys, vals, pos, window))
+    monkeypatch.setattr(m.attention, "_window_mask", explicit_window_mask)
+    assert np.array_equal(got, m.attention.blocked(q, keys, vals, pos, window))
     bands = {id(mask.base) for _, mask in masks if mask.base is not None}
     assert len(bands) <= 2 and all(mask.base is not None for _, mask in masks)    # a band grows at most once here
-    assert masks[-1][1].base is m._masks[("window", window, 4 // G)]
+    assert masks[-1][1].base is m.attention._masks[("window", window, 4 // G)]
 
 
 def test_block_attention_rows_do_not_depend_on_the_rows_beside_them(tiny_gguf):
@@ -84,19 +86,19 @@ def test_block_attention_rows_do_not_depend_on_the_rows_beside_them(tiny_gguf):
     q = rng.standard_normal((300, 4, 8)).astype(np.float32)
     keys = rng.standard_normal((384, 2, 8)).astype(np.float32)
     vals = rng.standard_normal((384, 2, 8)).astype(np.float32)
-    whole = m._block_attention(q, keys, vals, 0)
+    whole = m.attention.blocked(q, keys, vals, 0)
     cuts = [(0, 1), (37, 40), (100, 229), (127, 300), (299, 300)]
     if not _blas_rows_exact(q.reshape(2, 600, 8), keys.transpose(1, 2, 0), cuts):
         pytest.skip("this BLAS gives rows of few-row products other bits (the model's rows_exact "
                     "probe turns the row-exact prefix reuse off there)")
     for a, b in cuts:
-        assert np.array_equal(m._block_attention(q[a:b], keys, vals, a), whole[a:b]), (a, b)
+        assert np.array_equal(m.attention.blocked(q[a:b], keys, vals, a), whole[a:b]), (a, b)
 
 
 def _blas_rows_exact(x, w, cuts):
-    """Whether model.rows_matmul gives rows a..b of x @ w the bits of the whole product here."""
-    whole = model_mod.rows_matmul(x, w, np)
-    return all(np.array_equal(model_mod.rows_matmul(x[:, a:b], w, np), whole[:, a:b]) for a, b in cuts)
+    """Whether rows_matmul gives rows a..b of x @ w the bits of the whole product here."""
+    whole = rows_matmul(x, w, np)
+    return all(np.array_equal(rows_matmul(x[:, a:b], w, np), whole[:, a:b]) for a, b in cuts)
 
 
 def test_rope_rotates_halves_by_position_angles():
@@ -124,7 +126,7 @@ def test_swiglu_and_rms_norm():
 
 
 def test_long_prefill_equals_token_by_token(tiny_gguf, monkeypatch):
-    monkeypatch.setattr(model_mod, "ATTN_BLOCK", 16)      # many blocks, a ragged last one
+    monkeypatch.setattr(attention_mod, "ATTN_BLOCK", 16)  # many blocks, a ragged last one
     m = load_model(tiny_gguf(n_kv_head=1).path).model
     ids = np.random.default_rng(3).integers(0, m.cfg.vocab_size, 70)
     bulk = m.forward(ids, m.new_cache(), logits="all")

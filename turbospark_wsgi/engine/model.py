@@ -2,19 +2,17 @@
 import numpy as np
 
 from . import yielding
+from .attention import Attention, RotaryTables, rope
 from .kernels import cpu as kernels_cpu, layer as kernels_layer
 from .backend import to_host
+from .exact_rows import plain_matmul, rows_matmul
 from .kv_cache import KVCache
 from .options import EngineOptions, kernel_plan
 
-ATTN_BLOCK = 128   # prefill attention blocks: positions [k*128, (k+1)*128) see keys up to the block's end
-# NOTE(exact-prefix): BLAS picks other kernels for products of few rows; from 32 rows up (measured on
-# OpenBLAS 0.3.31 for every product shape of SmolLM2's forward pass) each row of the result has the
-# same bits whatever rows stand beside it. Exact prefill products are padded to this many rows.
-ROW_FLOOR = 32
 # PERF(prefill): a prompt of at most this many tokens runs on the fast few-row kernels instead (padded
-# to ROW_FLOOR rows on the GEMM path a one-token prompt measured 137 ms against 22 ms); its rows are
-# simply never reused. Longer prompts never make a call this short: a short tail joins the piece before.
+# to exact_rows.ROW_FLOOR rows on the GEMM path a one-token prompt measured 137 ms against 22 ms); its
+# rows are simply never reused. Longer prompts never make a call this short: a short tail joins the
+# piece before.
 SMALL_WINDOW = 16
 
 
@@ -24,16 +22,11 @@ class Transformer:
     def __init__(self, cfg, weights, xp, plan=None):
         self.cfg, self.w, self.xp = cfg, weights, xp
         self.plan = plan or kernel_plan(EngineOptions())       # the CPU kernels this model runs
-        self.inv_freq = rope_inv_freq(cfg, weights.rope_freqs)    # host float64 [rope_dim / 2]
-        # rotary tables: [0] global layers, [1] local (sliding-window) layers with their own base
-        self._inv_freqs = [self.inv_freq] + ([rope_inv_freq(cfg, theta=cfg.rope_local_theta)]
-                                             if cfg.rope_local_theta else [])
-        self._layer_rope = [int(i in cfg.local_layers and len(self._inv_freqs) > 1) for i in range(cfg.n_layer)]
+        self.rotary = RotaryTables(cfg, weights.rope_freqs, xp)
+        self.attention = Attention(xp, kernel=self.fused_attention)
         self._layer_window = [cfg.layer_window(i) for i in range(cfg.n_layer)]   # 0: global attention
-        self._tables = {}
-        self._masks = {}
+        self.layers = DecoderLayers(cfg, weights, xp)        # the step-by-step path
         self._rows_exact = None
-        self._rope_table(min(cfg.max_seq_len, 4096))                   # grows on demand
         self._layer_args = None     # kernels_layer.layer_args of every layer, built on first use; False: none
 
     @property
@@ -51,18 +44,9 @@ class Transformer:
     @property
     def fused_attention(self):
         """Whether attention runs on the CPU kernel that computes every row on its own (numpy
-        backend with numba), the same for prompt rows and decode rows."""
+        backend with numba), the same for prompt rows and decode rows (`self.attention` is built
+        on this choice)."""
         return self.xp is np and kernels_cpu.AVAILABLE
-
-    def _prompt_attention(self, q, keys, vals, pos, window):
-        if self.fused_attention:
-            return kernels_cpu.attend(q, keys, vals, pos, window)
-        return self._block_attention(q, keys, vals, pos, window)
-
-    def _decode_attention(self, q, keys, vals, pos, window):
-        if self.fused_attention:
-            return kernels_cpu.attend(q, keys, vals, pos, window)
-        return self._attention(q, keys, vals, pos, window)
 
     @property
     def rows_exact(self):
@@ -107,7 +91,7 @@ class Transformer:
         if self.fused:
             self._fused_layers(x, np.zeros(T, np.int64), np.arange(pos, pos + T, dtype=np.int64), [cache], [pos + T])
         else:
-            self._prompt_layers(x, pos, cache, rows_matmul if row_exact else _plain_matmul)
+            self._prompt_layers(x, pos, cache, rows_matmul if row_exact else plain_matmul)
         cache.length = pos + T
         if logits == "none":
             return None
@@ -119,22 +103,13 @@ class Transformer:
 
     def _prompt_layers(self, x, pos, cache, mm):
         """`forward`'s layers step by step on x `[T, dim]` (in place) at positions pos.., products by `mm`."""
-        c, w, xp = self.cfg, self.w, self.xp
-        T, H, G = len(x), c.n_head, c.n_kv_head
-        ropes = [tuple(t[pos:pos + T] for t in self._rope_table(pos + T, k))   # [T, 1, rope_dim/2] x2
-                 for k in range(len(self._inv_freqs))]
-        span = -(-(pos + T) // ATTN_BLOCK) * ATTN_BLOCK                 # end of the last row's block
-        for i, lw in enumerate(w.layers):
-            yielding.point()                                            # NOTE(front-door): see yielding.py
-            h = rms_norm(x, lw.attn_norm, c.norm_eps, xp)               # [T, dim]
-            qkv = self._heads(mm(h, lw.wqkv, xp), lw, T)                # [T, H+2G, D]  q|k|v heads
-            qk = rope(qkv[:, :H + G], *ropes[self._layer_rope[i]], c.rope_dim, xp)   # [T, H+G, D]
+        H, G, T = self.cfg.n_head, self.cfg.n_kv_head, len(x)
+        span = self.attention.span(pos + T)
+
+        def attend(i, qk, qkv):
             keys, vals = cache.update(i, pos, qk[:, H:], qkv[:, H + G:], span)  # [<=span, G, D] each
-            att = self._prompt_attention(qk[:, :H], keys, vals, pos, self._layer_window[i])   # [T, H*D]
-            x += self._post(mm(att, lw.wo, xp), lw.post_attn_norm)      # [T, dim]  residual
-            h = rms_norm(x, lw.ffn_norm, c.norm_eps, xp)                # [T, dim]
-            g = self._gate(mm(h, lw.w_gate_up, xp))                     # [T, ffn_dim]
-            x += self._post(mm(g, lw.w_down, xp), lw.post_ffn_norm)     # [T, dim]  residual
+            return self.attention.prompt(qk[:, :H], keys, vals, pos, self._layer_window[i])   # [T, H*D]
+        self.layers.run(x, self.rotary.layers(pos + T, slice(pos, pos + T)), mm, attend)
 
     def decode_batch(self, tokens, caches):
         """One decode step for B rows: token b runs at the next free position of caches[b], which
@@ -168,24 +143,12 @@ class Transformer:
         return self._cap(to_host(rms_norm(x, w.norm, c.norm_eps, xp) @ w.head)[:, 0])   # [B, vocab]
 
     def _decode_layers(self, ids, pos, caches):
-        """`decode_batch`'s layers step by step: token b at position pos[b] of caches[b] -> x `[B, 1, dim]`."""
-        c, w, xp = self.cfg, self.w, self.xp
-        B, H, G = len(ids), c.n_head, c.n_kv_head
-        at = xp.asarray(np.asarray(pos, dtype=np.int64))
-        ropes = [tuple(t[at] for t in self._rope_table(max(pos) + 1, k))   # [B, 1, rope_dim/2] x2
-                 for k in range(len(self._inv_freqs))]
+        """`decode_batch`'s layers step by step: token b at position pos[b] of caches[b] -> x `[B, 1, dim]`.
+        Each product is a stack of single-row products (NOTE(exact-batching))."""
+        at = self.xp.asarray(np.asarray(pos, dtype=np.int64))
         state = self._decode_state(pos, caches)
-        x = self._embed(ids)[:, None, :]                                # [B, 1, dim]
-        for i, lw in enumerate(w.layers):
-            yielding.point()
-            h = rms_norm(x, lw.attn_norm, c.norm_eps, xp)               # [B, 1, dim]
-            qkv = self._heads(h @ lw.wqkv, lw, B)                       # [B, H+2G, D]  q|k|v heads
-            qk = rope(qkv[:, :H + G], *ropes[self._layer_rope[i]], c.rope_dim, xp)   # [B, H+G, D]
-            att = self._decode_attend(i, qk, qkv, pos, caches, state)   # [B, 1, H*D]
-            x += self._post(att @ lw.wo, lw.post_attn_norm)             # [B, 1, dim]  residual
-            h = rms_norm(x, lw.ffn_norm, c.norm_eps, xp)                # [B, 1, dim]
-            x += self._post(self._gate(h @ lw.w_gate_up) @ lw.w_down, lw.post_ffn_norm)   # [B, 1, dim]
-        return x
+        return self.layers.run(self._embed(ids)[:, None, :], self.rotary.layers(max(pos) + 1, at), plain_matmul,
+                               lambda i, qk, qkv: self._decode_attend(i, qk, qkv, pos, caches, state))
 
     def _decode_state(self, pos, caches):
         """What a decode step's attention needs beyond the caches, made once per step (none here)."""
@@ -198,7 +161,7 @@ class Transformer:
         att = self.xp.empty((len(caches), 1, H * self.cfg.head_dim), dtype=qk.dtype)
         for b, cache in enumerate(caches):
             keys, vals = cache.update(i, pos[b], qk[b:b + 1, H:], qkv[b:b + 1, H + G:])
-            att[b] = self._decode_attention(qk[b:b + 1, :H], keys, vals, pos[b], self._layer_window[i])
+            att[b] = self.attention.decode(qk[b:b + 1, :H], keys, vals, pos[b], self._layer_window[i])
         return att
 
     def _fused_layers(self, x, seq, at, caches, ends):
@@ -208,12 +171,12 @@ class Transformer:
         for cache, end in zip(caches, ends):
             cache.reserve(int(end))
         kv = kernels_layer.addresses(caches)
-        ropes = [self._rope_table(int(at.max()) + 1, k) for k in range(len(self._inv_freqs))]
+        ropes = self.rotary.layers(int(at.max()) + 1)
         self.w.layers[0].wqkv.use_threads(len(x))
         layer = kernels_layer.LAYER[self.plan.isa]
         for i, args in enumerate(self._layer_args):
             yielding.point()                                            # NOTE(front-door): see yielding.py
-            layer(x, seq, at, kv, i, self._layer_window[i], *ropes[self._layer_rope[i]], *args)
+            layer(x, seq, at, kv, i, self._layer_window[i], *ropes[i], *args)
         return x
 
     def warm_layers(self):
@@ -221,7 +184,56 @@ class Transformer:
         first layer into a scratch cache, outside any forward pass (so no yielding gate is asked)."""
         one, cache = np.zeros(1, np.int64), self.new_cache(1)
         kernels_layer.LAYER[self.plan.isa](self._embed(one), one, one, kernels_layer.addresses([cache]), 0, self._layer_window[0],
-                            *self._rope_table(1, self._layer_rope[0]), *self._layer_args[0])
+                            *self.rotary.layers(1)[0], *self._layer_args[0])
+
+    def _cap(self, logits):
+        """Final logit soft-capping (cap * tanh(logits / cap)) where the config sets a cap."""
+        cap = self.cfg.final_softcap
+        if not cap:
+            return logits
+        return (np.tanh(logits / np.float32(cap)) * np.float32(cap)).astype(np.float32)
+
+    def _embed(self, ids):
+        w, xp = self.w, self.xp
+        ids = xp.asarray(ids)
+        if w.tok_embd is not None:
+            x = w.tok_embd[ids]                                         # [T, dim]
+        else:
+            x = xp.ascontiguousarray(w.head[:, ids].T)                  # tied: columns of the head
+        if self.cfg.embed_scale:
+            x = x * np.float32(np.sqrt(self.cfg.dim))                   # Gemma: times sqrt(dim)
+        return x
+
+
+class DecoderLayers:
+    """The decoder layers step by step in the array module `xp`: RMSNorm, the q|k|v heads (with the
+    architecture's biases and q/k norms), rotary, an attention the caller gives, the output
+    projection, the gated MLP, post norms where the architecture has them, and the residuals.
+    Every other step is row-wise: a row's bits depend on the rows beside it only through the
+    products `mm` and the attention.
+
+    The Transformer runs prompts and decode steps through it when the fused layer kernel
+    (kernels/layer.py, the same steps in one call per layer) does not run."""
+
+    def __init__(self, cfg, weights, xp):
+        self.cfg, self.weights, self.xp = cfg, weights, xp
+
+    def run(self, x, ropes, mm, attend):
+        """Every layer on x `[R, dim]` or `[R, 1, dim]` (in place), products by `mm`:
+        `ropes[i]` rotates layer i's q and k heads, `attend(i, qk, qkv)` stores layer i's new K/V
+        and returns its attention `[R, H*D]` or `[R, 1, H*D]`. Returns x."""
+        c, xp = self.cfg, self.xp
+        H, G = c.n_head, c.n_kv_head
+        for i, lw in enumerate(self.weights.layers):
+            yielding.point()                                            # NOTE(front-door): see yielding.py
+            h = rms_norm(x, lw.attn_norm, c.norm_eps, xp)
+            qkv = self._heads(mm(h, lw.wqkv, xp), lw, len(x))           # [R, H+2G, D]  q|k|v heads
+            qk = rope(qkv[:, :H + G], *ropes[i], c.rope_dim, xp)        # [R, H+G, D]
+            x += self._post(mm(attend(i, qk, qkv), lw.wo, xp), lw.post_attn_norm)   # residual
+            h = rms_norm(x, lw.ffn_norm, c.norm_eps, xp)
+            g = self._gate(mm(h, lw.w_gate_up, xp))                     # [R, (1,) ffn_dim]
+            x += self._post(mm(g, lw.w_down, xp), lw.post_ffn_norm)     # residual
+        return x
 
     def _heads(self, qkv, lw, rows):
         """The q|k|v product `[rows, (H+2G)*D]` (any leading shape) as heads `[rows, H+2G, D]`, with
@@ -249,131 +261,6 @@ class Transformer:
         c = self.cfg
         return (gelu_tanh_gate if c.gelu_gate else swiglu)(gu, c.ffn_dim, self.xp)
 
-    def _cap(self, logits):
-        """Final logit soft-capping (cap * tanh(logits / cap)) where the config sets a cap."""
-        cap = self.cfg.final_softcap
-        if not cap:
-            return logits
-        return (np.tanh(logits / np.float32(cap)) * np.float32(cap)).astype(np.float32)
-
-    def _embed(self, ids):
-        w, xp = self.w, self.xp
-        ids = xp.asarray(ids)
-        if w.tok_embd is not None:
-            x = w.tok_embd[ids]                                         # [T, dim]
-        else:
-            x = xp.ascontiguousarray(w.head[:, ids].T)                  # tied: columns of the head
-        if self.cfg.embed_scale:
-            x = x * np.float32(np.sqrt(self.cfg.dim))                   # Gemma: times sqrt(dim)
-        return x
-
-    def _attention(self, q, keys, vals, pos, window=0):
-        """Attention of one decode row q `[1, H, D]` (pre-scaled) at position pos over keys/values
-        `[pos+1, G, D]` (with a sliding `window`, only the last `window` of them). Query head h
-        reads KV head h // kv_mul. Returns `[1, H*D]`."""
-        H, D = q.shape[1:]
-        G = keys.shape[1]
-        lo = max(0, pos - window + 1) if window else 0
-        keys, vals = keys[lo:pos + 1], vals[lo:pos + 1]
-        qg = q.reshape(G, H // G, D)                                    # [G, M, D]
-        s = qg @ keys.transpose(1, 2, 0)                                # [G, M, pos+1]  scores
-        s -= s.max(axis=-1, keepdims=True)
-        self.xp.exp(s, out=s)
-        o = s @ vals.transpose(1, 0, 2)                                 # [G, M, D]
-        o /= s.sum(axis=-1, keepdims=True)
-        return o.reshape(1, H * D)
-
-    def _block_attention(self, q, keys, vals, pos, window=0):
-        """Causal attention of prompt rows q `[T, H, D]` (pre-scaled) at positions pos.. over
-        keys/values `[n, G, D]` (n: at least the end of the last row's block). Returns `[T, H*D]`.
-        With a sliding `window` the row at position p sees keys max(0, p - window + 1)..p only.
-
-        Rows are taken in blocks aligned to multiples of ATTN_BLOCK; every row of a block reads the
-        keys up to the block's end (from the first key the block's window reaches), the ones it
-        must not see masked. So a row's numbers depend on its position only, not on which other
-        rows came in the same call (see `rows_exact`)."""
-        xp = self.xp
-        T, H, D = q.shape
-        G = keys.shape[1]
-        M = H // G                                                      # query heads per KV head
-        qg = q.reshape(T, G, M, D).transpose(1, 0, 2, 3).reshape(G, T * M, D)   # rows: (t, m)
-        kt = keys.transpose(1, 2, 0)                                    # [G, D, n]
-        vg = vals.transpose(1, 0, 2)                                    # [G, n, D]
-        out = xp.empty((G, T * M, D), dtype=q.dtype)
-        # PERF(attention): a block skips the keys after it, the causal mask touches only the block's
-        # diagonal square, and the softmax divides the [rows, D] result, not the scores.
-        first = pos - pos % ATTN_BLOCK
-        for start in range(first, pos + T, ATTN_BLOCK):
-            r0, r1 = max(start, pos) - pos, min(start + ATTN_BLOCK, pos + T) - pos   # rows in this call
-            n = min(start + ATTN_BLOCK, keys.shape[0])                  # keys read by this block
-            lo = max(0, start - window + 1) if window else 0            # from the block's first window
-            s = rows_matmul(qg[:, r0 * M:r1 * M], kt[:, :, lo:n], xp)   # [G, rows, n - lo]  scores
-            i0 = pos + r0 - start                                       # first row's place in the block
-            if window:
-                s += self._window_mask(pos + r0, r1 - r0, lo, n, window, M)
-            else:
-                s[:, :, start:n] += self._causal_mask(ATTN_BLOCK, M)[i0 * M:(i0 + r1 - r0) * M, :n - start]
-            s -= s.max(axis=-1, keepdims=True)
-            xp.exp(s, out=s)
-            o = rows_matmul(s, vg[:, lo:n], xp)                         # [G, rows, D]
-            o /= s.sum(axis=-1, keepdims=True)
-            out[:, r0 * M:r1 * M] = o
-        return out.reshape(G, T, M, D).transpose(1, 0, 2, 3).reshape(T, H * D)
-
-    def _causal_mask(self, t, m):
-        """[t*m, t] additive mask: row (i, head) sees block keys j <= i."""
-        if (t, m) not in self._masks:
-            i = np.repeat(np.arange(t), m)[:, None]
-            mask = np.where(np.arange(t)[None, :] > i, -np.inf, 0.0).astype(np.float32)
-            self._masks[(t, m)] = self.xp.asarray(mask)
-        return self._masks[(t, m)]
-
-    def _window_mask(self, p0, rows, lo, n, window, m):
-        """[rows*m, n-lo] additive mask for rows at positions p0.. (each repeated for m heads) over
-        keys lo..n-1: row p sees keys p - window < j <= p. A view into one band per (window, m)."""
-        # NOTE(window-mask): whether row r sees key column c depends on c - r only. The band
-        # [ATTN_BLOCK*m, a + ATTN_BLOCK] masks c - r > a and c - r <= a - window, and this call's
-        # mask is its columns from a - (p0 - lo): they fit, as a block reads keys at most to its
-        # own end (n - p0 <= ATTN_BLOCK). `a` grows (doubling) as positions move further from lo.
-        d = p0 - lo
-        band = self._masks.get(("window", window, m))
-        if band is None or band.shape[1] - ATTN_BLOCK < d:
-            a = max(d, ATTN_BLOCK if band is None else 2 * (band.shape[1] - ATTN_BLOCK))
-            r = np.repeat(np.arange(ATTN_BLOCK), m)[:, None]
-            c = np.arange(a + ATTN_BLOCK)[None, :]
-            band = np.where((c - r > a) | (c - r <= a - window), np.float32(-np.inf), np.float32(0.0))
-            band = self._masks[("window", window, m)] = self.xp.asarray(band.astype(np.float32))
-        shift = band.shape[1] - ATTN_BLOCK - d
-        return band[:rows * m, shift:shift + n - lo]
-
-    def _rope_table(self, n, kind=0):
-        """cos/sin `[n, 1, rope_dim/2]` on the device for rotary table `kind` (0 global, 1 local),
-        grown (doubling) when positions outrun it."""
-        have = self._tables.get(kind)
-        if have is None or have[0].shape[0] < n:
-            size = max(n, 2 * (0 if have is None else have[0].shape[0]))
-            angles = np.arange(size, dtype=np.float64)[:, None] * self._inv_freqs[kind][None, :]
-            self._tables[kind] = (self.xp.asarray(np.cos(angles).astype(np.float32)[:, None, :]),
-                                  self.xp.asarray(np.sin(angles).astype(np.float32)[:, None, :]))
-        return self._tables[kind]
-
-
-def rows_matmul(x, w, xp):
-    """x `[..., m, k]` @ w `[..., k, n]` (w may be a quantized QLinear), computed so that each row's
-    result does not depend on the rows beside it: a QLinear computes every row on its own (its
-    `matmul_rows`); for BLAS, fewer than ROW_FLOOR rows are padded with zeros. Used by prefill."""
-    if hasattr(w, "matmul_rows"):
-        return w.matmul_rows(x)
-    m = x.shape[-2]
-    if m < ROW_FLOOR:
-        pad = xp.zeros(x.shape[:-2] + (ROW_FLOOR - m, x.shape[-1]), dtype=x.dtype)
-        x = xp.concatenate([x, pad], axis=-2)
-    return (x @ w)[..., :m, :]
-
-
-def _plain_matmul(x, w, xp):
-    return x @ w
-
 
 def _probe_rows_exact(model, rows=128):
     """Checks rows_matmul on this model's product shapes: rows taken a few at a time must equal
@@ -381,14 +268,9 @@ def _probe_rows_exact(model, rows=128):
     exact by construction, runs it)."""
     c, lw = model.cfg, model.w.layers[0]
     rng = np.random.default_rng(0)
-    M = c.n_head // c.n_kv_head
-    n = 2 * ATTN_BLOCK + 5
     cases = [(rng.standard_normal((rows, w.shape[0]), dtype=np.float32), w)
              for w in (lw.wqkv, lw.wo, lw.w_gate_up, lw.w_down)]
-    cases += [] if model.fused_attention else [(rng.standard_normal((c.n_kv_head, ATTN_BLOCK * M, c.head_dim), dtype=np.float32),
-               rng.standard_normal((c.n_kv_head, n, c.head_dim), dtype=np.float32).transpose(0, 2, 1)),
-              (rng.random((c.n_kv_head, ATTN_BLOCK * M, n), dtype=np.float32),
-               rng.standard_normal((c.n_kv_head, n, c.head_dim), dtype=np.float32))]
+    cases += model.attention.row_cases(c, rng)
     for x, w in cases:
         whole = rows_matmul(x, w, np)
         for a, m in ((0, 1), (5, 3), (40, 17), (7, 31), (50, 46), (1, rows - 1)):
@@ -406,19 +288,6 @@ def rms_norm(x, weight, eps, xp):
     xp.sqrt(rms, out=rms)
     out = x / rms                                                      # [T, dim]
     out *= weight
-    return out
-
-
-def rope(x, cos, sin, rot, xp):
-    """Rotary embedding, Hugging Face layout: the pairs are (i, i + rot/2) of the first `rot` dims
-    of each head. x: [T, heads, D] (any strides); cos, sin: [T, 1, rot/2]. Returns a new array."""
-    half = rot // 2
-    x1, x2 = x[..., :half], x[..., half:rot]
-    out = xp.empty(x.shape, dtype=x.dtype)
-    out[..., :half] = x1 * cos - x2 * sin
-    out[..., half:rot] = x2 * cos + x1 * sin
-    if rot < x.shape[-1]:
-        out[..., rot:] = x[..., rot:]
     return out
 
 
@@ -447,32 +316,3 @@ def gelu_tanh_gate(gu, ffn_dim, xp):
     a *= 0.5
     a *= gu[..., ffn_dim:]
     return a
-
-
-def rope_inv_freq(cfg, freq_factors=None, theta=None):
-    """Rotary inverse frequencies (float64, [rope_dim/2]) with the config's scaling applied;
-    `freq_factors` (GGUF rope_freqs) divide them when present. `theta`: a local layers' own base,
-    which is never scaled (Gemma 3)."""
-    dim = cfg.rope_dim
-    inv = 1.0 / (theta or cfg.rope_theta) ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
-    scaling = {} if theta else cfg.rope_scaling or {}
-    kind = scaling.get("type", "")
-    if kind == "linear":
-        inv = inv / float(scaling["factor"])
-    elif kind == "llama3":
-        inv = _llama3_inv_freq(inv, scaling)
-    elif kind:
-        raise ValueError(f"unsupported rope scaling type {kind!r}")
-    if freq_factors is not None:
-        inv = inv / np.asarray(freq_factors, dtype=np.float64)
-    return inv
-
-
-def _llama3_inv_freq(inv, s):
-    factor, low, high = float(s["factor"]), float(s["low_freq_factor"]), float(s["high_freq_factor"])
-    orig = float(s["original_max_position_embeddings"])
-    wavelen = 2 * np.pi / inv
-    smooth = (orig / wavelen - low) / (high - low)
-    mid = (1 - smooth) * inv / factor + smooth * inv
-    out = np.where(wavelen > orig / low, inv / factor, inv)             # long waves: scaled
-    return np.where((wavelen <= orig / low) & (wavelen >= orig / high), mid, out)
