@@ -57,14 +57,17 @@ def fused_and_step_by_step(model, prompt, steps, monkeypatch):
 
 def assert_fused_follows_step_by_step(model, monkeypatch, prompt=(1, 40, 72, 101, 108, 108, 111, 260, 263, 32)):
     """The two paths agree to float32 noise, but for where the float steps' rounding (which differs
-    between them, and with the CPU's vector width) tips an activation's int8 rounding the other way:
-    that moves a few values by up to one int8 step of their block."""
+    between them, with the CPU's vector width, and with attention's own rounding) tips an
+    activation's int8 rounding the other way: that moves the rows downstream of it (a position's
+    logits, the K/V after it) by up to about one int8 step of their block. So: nine rows in ten
+    exact to float32 noise, and no value off by more than 2% of the largest."""
     (new, cache_new), (old, cache_old) = fused_and_step_by_step(model, list(prompt), [5, 6, 7], monkeypatch)
     n = cache_new.length
     assert n == cache_old.length == len(prompt) + 3
     for a, b in ((new, old), (cache_new.k[:, :n], cache_old.k[:, :n]), (cache_new.v[:, :n], cache_old.v[:, :n])):
         diff, scale = np.abs(a - b), max(1.0, float(np.abs(b).max()))
-        assert np.mean(diff < 1e-4) > 0.98 and diff.max() < 2e-2 * scale, (np.mean(diff < 1e-4), diff.max(), scale)
+        exact_rows = np.mean(diff.reshape(-1, diff.shape[-1]).max(axis=1) < 1e-4)
+        assert exact_rows > 0.9 and diff.max() < 2e-2 * scale, (exact_rows, diff.max(), scale)
 
 
 def test_llama_layers_follow_the_step_by_step_path(tiny_gguf, monkeypatch):
