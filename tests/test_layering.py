@@ -167,3 +167,15 @@ def test_no_import_circles():
 
     for node in sorted(graph):
         visit(node)
+
+
+MAX_CLASS_LINES = 200
+
+
+@pytest.mark.parametrize("name, path", list(modules()))
+def test_no_class_outgrows_a_screenful_or_two(name, path):
+    """A class past 200 lines holds more than one job: split it along a seam (weights from the
+    forward pass, framing from dispatch), not into mixins."""
+    long = [(node.name, node.end_lineno - node.lineno + 1) for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > MAX_CLASS_LINES]
+    assert not long, f"{name}: {long}"
