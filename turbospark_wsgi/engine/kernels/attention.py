@@ -15,8 +15,11 @@ chunks are fixed by absolute position, every per-row step (its dots, exps, sums 
 in the same order on the same code. So cached K/V can be reused token by token, a reply's included,
 and a prompt gets the same bits in one call or cut in pieces.
 
-PERF(attention): the per-head loop read the float32 K/V once per query head (SmolLM2-135M: 3 query
-heads per KV head) and split a decode step into only H tasks; see tools/bench_decode.py --depth.
+PERF(attention): the per-head loop before it split a decode step into only H tasks (9 on 2 threads for
+SmolLM2-135M) and took libm's expf once per score. SmolLM2 Q4_1, Zen 4, 2 threads, quiet: a decode
+step after 2,000 tokens (tools/bench_decode.py --depth 2000, fused) 18.9 -> 13-15 ms; over HTTP
+(tools/bench.py --vs-llama-cpp --deep-context 2000) 32 -> 57 tok/s. Reading each K/V row once for all
+of a row's query heads measured 3-8% slower for that decode (the rows come from the core's cache).
 
 The KV caches are reached by address: `kv` [S, 3] int64 holds each sequence's K buffer address, V
 buffer address and capacity (buffers float32 C-contiguous [n_layer, capacity, G, D], kept alive and
@@ -209,15 +212,16 @@ if AVAILABLE:
         r0, r1, c0, nc = blocks[b, 0], blocks[b, 1], blocks[b, 2], blocks[b, 3]
         rows = (r1 - r0) * (H // G)
         o, m, t = np.empty((rows, D), np.float32), np.empty(rows, np.float32), np.empty(rows, np.float32)
-        oc, mc, tc = np.empty((rows, D), np.float32), np.empty(rows, np.float32), np.empty(rows, np.float32)
         for i in range(rows):
             m[i] = EMPTY
-        for c in range(nc):
-            if task < 0:
+        if task >= 0:
+            for c in range(nc):
+                _merge(o, m, t, po[task + c], pm[task + c], pt[task + c])
+        else:
+            oc, mc, tc = np.empty((rows, D), np.float32), np.empty(rows, np.float32), np.empty(rows, np.float32)
+            for c in range(nc):
                 _chunk(q, seq, pos, kv, li, window, H, G, D, blocks, b, g, c0 + c, oc, mc, tc)
                 _merge(o, m, t, oc, mc, tc)
-            else:
-                _merge(o, m, t, po[task + c], pm[task + c], pt[task + c])
         _store(o, t, r0, g, H // G, D, out)
 
     @njit(**_JIT)
