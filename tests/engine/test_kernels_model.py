@@ -178,14 +178,14 @@ def test_forward_refuses_overflow_and_empty_input(tiny_gguf):
 
 @pytest.mark.parametrize("T, pos, H, G, window", ATTENTION_CASES)
 def test_fused_attention_matches_naive_and_its_rows_depend_only_on_their_position(T, pos, H, G, window):
-    from turbospark_wsgi.engine.kernels import cpu as kernels_cpu
-    if not kernels_cpu.AVAILABLE:
+    from turbospark_wsgi.engine.kernels import attention as kernels_attention
+    if not kernels_attention.AVAILABLE:
         pytest.skip("needs numba")
     rng = np.random.default_rng(T + pos)
     q = rng.standard_normal((T, H, 8)).astype(np.float32)
     keys = rng.standard_normal((pos + T + 7, G, 8)).astype(np.float32)   # keys past the last row: never read
     vals = rng.standard_normal((pos + T + 7, G, 8)).astype(np.float32)
-    whole = kernels_cpu.attend(q, keys, vals, pos, window)
+    whole = kernels_attention.attend(q, keys, vals, pos, window)
     assert np.abs(whole - naive_attention(q, keys, vals, pos, window)).max() < 1e-5
     for a, b in [(0, 1), (T // 3, T // 2 + 1), (T - 1, T)]:
-        assert np.array_equal(kernels_cpu.attend(q[a:b], keys, vals, pos + a, window), whole[a:b]), (a, b)
+        assert np.array_equal(kernels_attention.attend(q[a:b], keys, vals, pos + a, window), whole[a:b]), (a, b)

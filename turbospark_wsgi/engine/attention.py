@@ -4,14 +4,14 @@ array module `xp` or on the CPU kernel."""
 import numpy as np
 
 from .exact_rows import rows_matmul
-from .kernels import cpu as kernels_cpu
+from .kernels import attention as kernels_attention
 
 ATTN_BLOCK = 128   # prefill attention blocks: positions [k*128, (k+1)*128) see keys up to the block's end
 
 
 class Attention:
     """Attention of pre-scaled query heads over keys/values `[n, G, D]`; query head h reads KV head
-    h // (H // G). `kernel`: every row runs on kernels_cpu.attend (numpy with numba), which computes
+    h // (H // G). `kernel`: every row runs on kernels/attention.py's `attend` (numba), which computes
     each row on its own; otherwise prompts run blockwise (`blocked`) and decode rows one by one
     (`row`) in `xp`. The causal masks are made once per shape and kept."""
 
@@ -28,13 +28,13 @@ class Attention:
     def prompt(self, q, keys, vals, pos, window):
         """Prompt rows q `[T, H, D]` at positions pos.. -> `[T, H*D]` (keys: at least `span(pos+T)`)."""
         if self.kernel:
-            return kernels_cpu.attend(q, keys, vals, pos, window)
+            return kernels_attention.attend(q, keys, vals, pos, window)
         return self.blocked(q, keys, vals, pos, window)
 
     def decode(self, q, keys, vals, pos, window):
         """One decode row q `[1, H, D]` at position pos over keys `[pos+1, G, D]` -> `[1, H*D]`."""
         if self.kernel:
-            return kernels_cpu.attend(q, keys, vals, pos, window)
+            return kernels_attention.attend(q, keys, vals, pos, window)
         return self.row(q, keys, vals, pos, window)
 
     def row(self, q, keys, vals, pos, window=0):

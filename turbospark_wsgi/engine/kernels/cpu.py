@@ -7,8 +7,7 @@ tile that all rows reuse; q8 with B <= 2 unpacks per row). A row's result never 
 rows beside it. Larger calls dequantize slabs of W.T to float32 and hand them to BLAS. These
 keep activations float32: the results equal the dequantize-then-matmul reference up to float32
 summation order. With int8 activations (the model's KernelPlan) every product of any row count goes to the
-integer kernels of int8.py instead. `attend` (attention.py's) is causal attention, for prompts
-and decode steps alike.
+integer kernels of int8.py instead.
 """
 import contextlib
 import threading
@@ -16,8 +15,7 @@ import threading
 import numpy as np
 
 from .. import quant
-from . import int8
-from .attention import attend  # noqa: F401 - the step-by-step path's attention
+from . import attention, int8
 
 try:
     import numba
@@ -358,5 +356,5 @@ def warmup(isa=None, groups=WARM_GROUPS):
             qmatmul(x, w, path="blas")
     if "float" in groups:
         kv = rng.standard_normal((4, 1, 8)).astype(np.float32)
-        attend(rng.standard_normal((2, 2, 8)).astype(np.float32), kv, kv, 1, window=2)
+        attention.attend(rng.standard_normal((2, 2, 8)).astype(np.float32), kv, kv, 1, window=2)
     return time.perf_counter() - t0
