@@ -1,12 +1,14 @@
 """In-process decode step time: each layer as one kernel (kernels/layer.py) against the step-by-step path.
 
     python tools/bench_decode.py [--model GGUF] [--batches 1,8,16] [--steps 20] [--rounds 5] [--depth 32]
+        [--paths step-by-step,fused,fused-f32kv]
 
 B caches are filled with a `--depth`-token prompt each, then `Transformer.decode_batch` runs
-`--steps` steps; a round does this for every B on both paths in turn (the order alternating from
-round to round, so load drift hits both alike). Printed per B: median step time and tok/s of each
-path over the rounds' medians, and their ratio, with the load average. The two paths round
-differently (see kernels/layer.py), so each fills its own caches.
+`--steps` steps; a round does this for every B on every path in turn (the order alternating from
+round to round, so load drift hits them alike). Printed per B: median step time and tok/s of each
+path over the rounds' medians, and each one's speed-up over the first. The paths round
+differently (see kernels/layer.py), so each fills its own caches. `fused` is the default path (half
+float KV caches), `fused-f32kv` the same with float32 KV caches (kernels/attention.py, NOTE(kv-half)).
 """
 import argparse
 import dataclasses
@@ -20,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from turbospark_wsgi.engine import load_engine  # noqa: E402
 from turbospark_wsgi.pull import default_model_path  # noqa: E402
 
-PATHS = {"step-by-step": False, "fused": True}
+PATHS = {"step-by-step": (False, False), "fused": (True, True), "fused-f32kv": (True, False)}   # fused, kv_half
 
 
 def parse_args(argv=None):
@@ -30,12 +32,14 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--depth", type=int, default=32, help="prompt tokens in each cache before the steps")
+    p.add_argument("--paths", default="step-by-step,fused", help=f"comma list of {', '.join(PATHS)}")
     return p.parse_args(argv)
 
 
-def step_ms(model, batch, steps, depth, fused):
-    """Median ms of `steps` decode steps of `batch` sequences on one path."""
-    model.plan = dataclasses.replace(model.plan, fused=fused)           # EngineOptions.fused_layers
+def step_ms(model, batch, steps, depth, path):
+    """Median ms of `steps` decode steps of `batch` sequences on one path (PATHS)."""
+    fused, kv_half = PATHS[path]
+    model.plan = dataclasses.replace(model.plan, fused=fused, kv_half=kv_half)   # EngineOptions.fused_layers, kv_cache
     caches = [model.new_cache(depth + steps + 2) for _ in range(batch)]
     for b, cache in enumerate(caches):
         model.forward([(7 * b + 3 * i) % 1000 + 100 for i in range(depth)], cache, logits="none")
@@ -55,20 +59,26 @@ def main(argv=None):
     if not model.fused:
         sys.exit("this model's layers cannot run fused (see kernels_layer.layer_args)")
     batches = [int(b) for b in args.batches.split(",")]
-    ms = {(name, b): [] for name in PATHS for b in batches}
+    paths = [p.strip() for p in args.paths.split(",") if p.strip()]
+    unknown = [p for p in paths if p not in PATHS]
+    if unknown or not paths:
+        sys.exit(f"--paths takes {', '.join(PATHS)}, not {','.join(unknown) or 'nothing'}")
+    ms = {(name, b): [] for name in paths for b in batches}
     loads = []
     for r in range(args.rounds):
-        order = list(PATHS) if r % 2 == 0 else list(PATHS)[::-1]
+        order = paths if r % 2 == 0 else paths[::-1]
         for b in batches:
             for name in order:
-                ms[(name, b)].append(step_ms(model, b, args.steps, args.depth, PATHS[name]))
+                ms[(name, b)].append(step_ms(model, b, args.steps, args.depth, name))
         loads.append(os.getloadavg()[0])
     print(f"decode step, {args.rounds} interleaved rounds x {args.steps} steps, depth {args.depth}; "
           f"load average {min(loads):.2f}-{max(loads):.2f}")
-    print(f"{'B':>3} | {'step-by-step ms':>15} {'tok/s':>7} | {'fused ms':>8} {'tok/s':>7} | fused speed-up")
+    print(f"{'B':>3} | " + " | ".join(f"{name + ' ms':>16} {'tok/s':>7}" for name in paths)
+          + "".join(f" | {name} vs {paths[0]}" for name in paths[1:]))
     for b in batches:
-        old, new = (statistics.median(ms[(name, b)]) for name in PATHS)
-        print(f"{b:>3} | {old:>15.2f} {1e3 * b / old:>7.1f} | {new:>8.2f} {1e3 * b / new:>7.1f} | {old / new:.2f}x")
+        med = [statistics.median(ms[(name, b)]) for name in paths]
+        print(f"{b:>3} | " + " | ".join(f"{m:>16.2f} {1e3 * b / m:>7.1f}" for m in med)
+              + "".join(f" | {med[0] / m:.2f}x" for m in med[1:]))
     return ms
 
 

@@ -61,7 +61,7 @@ def test_rows_of_several_sequences_in_one_call_get_their_own_bits():
     kv = np.array([(k.ctypes.data, v.ctypes.data, k.shape[1]) for k, v in caches], np.int64)
     q = np.concatenate([qs.reshape(1, H * D) for qs, _, _ in seqs])
     out = np.empty((len(seqs), H * D), np.float32)
-    attention.attend_rows(q, np.arange(len(seqs)), np.array(depths), kv, 1, 0, H, G, D, out)
+    attention.attend_rows(q, np.arange(len(seqs)), np.array(depths), kv, attention.element(np.float32), 1, 0, H, G, D, out)
     for s, (qs, keys, vals) in enumerate(seqs):
         assert np.array_equal(out[s], attention.attend(qs, keys, vals, depths[s])[0]), s
 
@@ -79,3 +79,41 @@ def test_exp_is_close_to_numpys_over_the_range_softmax_uses():
     x = np.linspace(-87, 0, 100001).astype(np.float32)
     ref = np.exp(x.astype(np.float64))
     assert np.max(np.abs(many(x) - ref) / ref) < 4e-7
+
+
+def test_half_float_caches_read_as_the_float32_of_their_halves():
+    """NOTE(kv-half): a float16 cache gives what a float32 cache of the same (rounded) numbers gives."""
+    H, G, D = 6, 2, 64
+    depths = [5, 2 * CHUNK + 17]
+    seqs = [_inputs(1, d, H, G, D, seed=10 + s) for s, d in enumerate(depths)]
+    halves = [tuple(a.astype(np.float16) for a in _cache(keys, vals)) for _, keys, vals in seqs]
+    kv = np.array([(k.ctypes.data, v.ctypes.data, k.shape[1]) for k, v in halves], np.int64)
+    q = np.concatenate([qs.reshape(1, H * D) for qs, _, _ in seqs])
+    out = np.empty((len(seqs), H * D), np.float32)
+    attention.attend_rows(q, np.arange(len(seqs)), np.array(depths), kv, attention.element(np.float16), 1, 0, H, G, D, out)
+    for s, ((qs, _, _), (k, v)) in enumerate(zip(seqs, halves)):
+        ref = attention.attend(qs, k[1].astype(np.float32), v[1].astype(np.float32), depths[s])[0]
+        assert np.abs(out[s] - ref).max() < 1e-6, s
+
+
+def test_cache_writes_round_to_the_nearest_half_and_clamp_to_its_range():
+    from numba import njit
+
+    @njit
+    def store(x, elem, out):
+        for i in range(x.shape[0]):
+            out[i] = attention.to_elem(x[i], elem)
+
+    rng = np.random.default_rng(3)
+    x = np.concatenate([rng.standard_normal(10000) * 10.0 ** rng.integers(-8, 5, 10000),
+                        [0.0, -0.0, 65504.0, 65519.0, 7e4, -1e9, 2.0 ** -24, 3 * 2.0 ** -26]]).astype(np.float32)
+    half = np.empty(len(x), np.uint16)
+    store(x, attention.element(np.float16), half)
+    expect = np.clip(x, -65504, 65504).astype(np.float16)
+    assert np.array_equal(half, expect.view(np.uint16))
+    assert np.isfinite(half.view(np.float16)).all()
+    same = np.empty(len(x), np.float32)
+    store(x, attention.element(np.float32), same)
+    assert np.array_equal(same, x)
+    with pytest.raises(ValueError, match="float32 or float16"):
+        attention.element(np.float64)

@@ -45,14 +45,18 @@ def test_norm_and_gates_match_the_numpy_steps():
         assert np.allclose(out, numpy_step(gu, 40, np), rtol=2e-6, atol=1e-6), flag
 
 
+def _run(model, prompt, steps):
+    cache = model.new_cache(64)
+    logits = [model.forward(prompt, cache, logits="all")]
+    logits += [model.decode_batch([t], [cache]) for t in steps]
+    return np.concatenate(logits), cache
+
+
 def fused_and_step_by_step(model, prompt, steps, monkeypatch):
-    def run():
-        cache = model.new_cache(64)
-        logits = [model.forward(prompt, cache, logits="all")]
-        logits += [model.decode_batch([t], [cache]) for t in steps]
-        return np.concatenate(logits), cache
-    assert model.fused
-    return run(), step_by_step(model, run, monkeypatch)
+    """Both paths with float32 KV caches (the step-by-step path's), so only the layers differ."""
+    monkeypatch.setattr(model, "plan", dataclasses.replace(model.plan, kv_half=False))
+    assert model.fused and model.new_cache(1).k.dtype == np.float32
+    return _run(model, prompt, steps), step_by_step(model, lambda: _run(model, prompt, steps), monkeypatch)
 
 
 def assert_fused_follows_step_by_step(model, monkeypatch, prompt=(1, 40, 72, 101, 108, 108, 111, 260, 263, 32)):
@@ -68,6 +72,25 @@ def assert_fused_follows_step_by_step(model, monkeypatch, prompt=(1, 40, 72, 101
         diff, scale = np.abs(a - b), max(1.0, float(np.abs(b).max()))
         exact_rows = np.mean(diff.reshape(-1, diff.shape[-1]).max(axis=1) < 1e-4)
         assert exact_rows > 0.9 and diff.max() < 2e-2 * scale, (exact_rows, diff.max(), scale)
+
+
+def test_half_float_kv_caches_move_the_logits_by_their_rounding_alone(tiny_gguf, monkeypatch):
+    """NOTE(kv-half): the fused path's default cache holds half floats: its K/V are the float32
+    cache's rounded to the nearest half (up to where that rounding tips an activation's int8 rounding
+    downstream), and the logits move by that rounding's size, not more."""
+    model = load_model(tiny_gguf(qtype="Q8_0").path, device="cpu").model
+    prompt, steps = [1, 40, 72, 101, 108, 108, 111, 260, 263, 32], [5, 6, 7]
+    half_logits, half = _run(model, prompt, steps)
+    assert half.k.dtype == half.v.dtype == np.float16 and "f16 KV cache" in model.plan.describe()
+    monkeypatch.setattr(model, "plan", dataclasses.replace(model.plan, kv_half=False))
+    full_logits, full = _run(model, prompt, steps)
+    assert full.k.dtype == np.float32 and "f32 KV cache" in model.plan.describe()
+    n = len(prompt) + 3
+    assert np.array_equal(half.k[0, 0], full.k[0, 0].astype(np.float16))    # layer 0, position 0: rounding alone
+    for a, b in ((half.k[:, :n], full.k[:, :n]), (half.v[:, :n], full.v[:, :n]), (half_logits, full_logits)):
+        a, b = a.astype(np.float32), b
+        assert np.abs(a - b).max() < 2e-2 * max(1.0, float(np.abs(b).max()))
+    assert np.abs(half_logits - full_logits).mean() < 5e-3 * max(1.0, float(np.abs(full_logits).max()))
 
 
 def test_llama_layers_follow_the_step_by_step_path(tiny_gguf, monkeypatch):

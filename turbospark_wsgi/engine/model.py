@@ -69,10 +69,16 @@ class Transformer:
         products = [getattr(lw, n) for lw in self.w.layers for n in ("wqkv", "wo", "w_gate_up", "w_down")]
         return self.fused_attention and self.rows_exact and all(hasattr(w, "matmul_rows") for w in products)
 
+    @property
+    def kv_dtype(self):
+        """What a new KV cache holds: half floats where layers are fused and the plan asks for them
+        (the fused kernel reads them: kernels/attention.py, NOTE(kv-half)), else float32."""
+        return np.float16 if self.plan.kv_half and self.fused else np.float32
+
     def new_cache(self, max_seq=None):
         """An empty KVCache for up to `max_seq` positions (default: the model's context length)."""
         c = self.cfg
-        return KVCache(c.n_layer, max_seq or c.max_seq_len, c.n_kv_head, c.head_dim, self.xp)
+        return KVCache(c.n_layer, max_seq or c.max_seq_len, c.n_kv_head, c.head_dim, self.xp, self.kv_dtype)
 
     def forward(self, tokens, cache, logits="last", row_exact=False):
         """Runs `tokens` (ids) at positions cache.length.. and advances cache.length by len(tokens).
@@ -170,20 +176,20 @@ class Transformer:
         positions. Returns x."""
         for cache, end in zip(caches, ends):
             cache.reserve(int(end))
-        kv = kernels_layer.addresses(caches)
+        kv, elem = kernels_layer.addresses(caches)
         ropes = self.rotary.layers(int(at.max()) + 1)
         self.w.layers[0].wqkv.use_threads(len(x))
         layer = kernels_layer.LAYER[self.plan.isa]
         for i, args in enumerate(self._layer_args):
             yielding.point()                                            # NOTE(front-door): see yielding.py
-            layer(x, seq, at, kv, i, self._layer_window[i], *ropes[i], *args)
+            layer(x, seq, at, kv, elem, i, self._layer_window[i], *ropes[i], *args)
         return x
 
     def warm_layers(self):
         """Compiles (or loads from numba's cache) the fused layer kernel: one token through the
         first layer into a scratch cache, outside any forward pass (so no yielding gate is asked)."""
         one, cache = np.zeros(1, np.int64), self.new_cache(1)
-        kernels_layer.LAYER[self.plan.isa](self._embed(one), one, one, kernels_layer.addresses([cache]), 0, self._layer_window[0],
+        kernels_layer.LAYER[self.plan.isa](self._embed(one), one, one, *kernels_layer.addresses([cache]), 0, self._layer_window[0],
                             *self.rotary.layers(1)[0], *self._layer_args[0])
 
     def _cap(self, logits):

@@ -10,6 +10,7 @@ WEIGHTS = ("auto", "quant", "fp32")
 ACTIVATIONS = ("auto", "int8", "float32")
 INT8_PATHS = ("auto", "vnni512", "avxvnni", "avx2", "neon", "generic")   # isa.PATHS
 SPECULATIVE = ("auto", "on", "off")
+KV_CACHE = ("auto", "f16", "f32")
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,6 +32,9 @@ class EngineOptions:
     int8_vnni: bool = True          # VNNI integer dots where the CPU has them (off: auto skips them)
     int8_isa: str = "auto"          # the int8 dots' instructions: auto (best the CPU has) or an isa.PATHS name
     fused_layers: bool = True       # int8 on the CPU: each layer one kernel call (kernels/layer.py); off: step by step
+    # the KV cache's numbers: f16 (half floats), f32; auto: f16 where layers are fused (the kernel reads
+    # half floats there: kernels/attention.py, NOTE(kv-half)), else f32
+    kv_cache: str = "auto"
     # speculative decoding (speculative.py): auto, where proposals pay; on: whenever there are some; off
     speculative: str = "auto"
     speculative_tokens: int = 8     # tokens proposed per sequence and step, at most
@@ -43,6 +47,8 @@ class EngineOptions:
             raise ValueError(f"activations must be auto, int8 or float32, not {self.activations!r}")
         if self.int8_isa not in INT8_PATHS:
             raise ValueError(f"int8_isa must be one of {', '.join(INT8_PATHS)}, not {self.int8_isa!r}")
+        if self.kv_cache not in KV_CACHE:
+            raise ValueError(f"kv_cache must be auto, f16 or f32, not {self.kv_cache!r}")
         if self.speculative not in SPECULATIVE:
             raise ValueError(f"speculative must be auto, on or off, not {self.speculative!r}")
         if self.speculative_tokens < 0:
@@ -59,18 +65,22 @@ def resolve(options, overrides):
 @dataclass(frozen=True, slots=True)
 class KernelPlan:
     """The CPU kernels one model runs: `activations` "int8" or "float32", `isa` the int8 dots'
-    instruction path (isa.PATHS), `fused` each layer one kernel call (int8 only), and why."""
+    instruction path (isa.PATHS), `fused` each layer one kernel call (int8 only), and why;
+    `kv_half`: the KV cache holds half floats where layers are fused (f32 elsewhere)."""
 
     activations: str
     isa: str
     fused: bool
     reason: str
+    kv_half: bool = True
 
     def describe(self):
         """One line for the startup log and `turbospark models`."""
-        layers = "fused layers" if self.fused and self.activations == "int8" else "step by step"
+        fused = self.fused and self.activations == "int8"
+        layers = "fused layers" if fused else "step by step"
         dots = f", integer dots: {self.isa}" if self.activations == "int8" else ""
-        return f"{self.activations} activations{dots}, {layers} ({self.reason})"
+        kv = "f16" if fused and self.kv_half else "f32"
+        return f"{self.activations} activations{dots}, {layers}, {kv} KV cache ({self.reason})"
 
 
 def kernel_plan(options):
@@ -92,7 +102,7 @@ def kernel_plan(options):
         why = f"{act} requested" + (f"; {choice.reason}" if act == "int8" else "")
     if act == "int8" and not kernels_q8.AVAILABLE:
         act, why = "float32", "int8 requested but numba is absent"
-    return KernelPlan(act, choice.path, bool(options.fused_layers), why)
+    return KernelPlan(act, choice.path, bool(options.fused_layers), why, options.kv_cache != "f32")
 
 
 def apply(options):

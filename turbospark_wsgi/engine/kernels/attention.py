@@ -22,9 +22,17 @@ step after 2,000 tokens (tools/bench_decode.py --depth 2000, fused) 18.9 -> 13-1
 of a row's query heads measured 3-8% slower for that decode (the rows come from the core's cache).
 
 The KV caches are reached by address: `kv` [S, 3] int64 holds each sequence's K buffer address, V
-buffer address and capacity (buffers float32 C-contiguous [n_layer, capacity, G, D], kept alive and
-large enough by the caller for the call's length). `exp` is the vectorisable e^x the layer's gates
-share.
+buffer address and capacity (buffers C-contiguous [n_layer, capacity, G, D], kept alive and large
+enough by the caller for the call's length). Their element type is that of `elem`, an empty array
+passed beside `kv`: float32, or uint16 holding IEEE half floats (a float16 cache: see
+NOTE(kv-half)). `exp` is the vectorisable e^x the layer's gates share.
+
+PERF(kv-half): a decode step at depth reads every K/V row of every layer once, and those rows do not
+stay in the core's caches between steps (SmolLM2-135M at 2,000 tokens: 92 MB of float32 K/V a step).
+Attention over 30 layers' distinct buffers took 9-11 ms a step where the same layer's 30 times took
+3.6-5 ms (Zen 4, 2 threads, quiet). Half floats halve those bytes; the conversion is one vcvtph2ps
+per 16 values (F16C: every AVX2 CPU has it), and the scores per key cost the same in cache (4.8 ns
+with half, 5.0 with float32, one thread).
 """
 import numpy as np
 
@@ -32,7 +40,7 @@ try:
     from llvmlite import ir
     from numba import carray, njit, prange
     from numba.core import types
-    from numba.extending import intrinsic
+    from numba.extending import intrinsic, overload
 except ImportError:            # pragma: no cover - exercised only where numba is absent
     njit = None
 
@@ -41,6 +49,16 @@ ROWS = 8        # rows of one sequence in a block
 CHUNK = 256     # keys in a chunk; NOTE(exact-prefix): changing it changes every long row's bits
 SPREAD_BELOW = 32   # fewer (block, KV head) pairs than this: a call computes its chunks in parallel
 EMPTY = np.float32(-3.0e38)    # a partial's m where the chunk holds no key of the row (the kernels assume no inf)
+KV_DTYPES = (np.dtype(np.float32), np.dtype(np.float16))     # what a KV cache may hold
+
+
+def element(dtype):
+    """The `elem` the kernels take for KV buffers of numpy `dtype` (float32, or float16 passed as
+    its bits: NOTE(kv-half))."""
+    dtype = np.dtype(dtype)
+    if dtype not in KV_DTYPES:
+        raise ValueError(f"KV caches hold float32 or float16, not {dtype}")
+    return np.empty(0, np.uint16 if dtype == np.float16 else np.float32)
 
 
 if AVAILABLE:
@@ -50,19 +68,53 @@ if AVAILABLE:
     _FM = dict(_JIT, fastmath={"nnan", "ninf", "nsz", "contract"})
 
     @intrinsic
-    def _f32_at(typingctx, addr):
-        """The float32 pointer at integer address `addr`."""
-        sig = types.CPointer(types.float32)(types.int64)
+    def _at(typingctx, addr, elem):
+        """The pointer to `elem`'s element type at integer address `addr`."""
+        sig = types.CPointer(elem.dtype)(types.int64, elem)
 
         def codegen(context, builder, signature, args):
-            return builder.inttoptr(args[0], ir.PointerType(ir.FloatType()))
+            return builder.inttoptr(args[0], context.get_value_type(elem.dtype).as_pointer())
         return sig, codegen
 
+    @intrinsic
+    def as_f32(typingctx, x):
+        """A cache element as float32: itself, or the half float whose bits a uint16 holds."""
+        if x == types.float32:
+            return types.float32(x), lambda context, builder, signature, args: args[0]
+        if x == types.uint16:
+            def codegen(context, builder, signature, args):
+                return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+            return types.float32(x), codegen
+        return None
+
+    @intrinsic
+    def _as_elem(typingctx, x, elem):
+        """float32 x as `elem`'s element type: itself, or the bits of the nearest half float (ties
+        to even, as numpy's astype(float16))."""
+        if elem.dtype == types.float32:
+            return types.float32(types.float32, elem), lambda context, builder, signature, args: args[0]
+        if elem.dtype == types.uint16:
+            def codegen(context, builder, signature, args):
+                return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
+            return types.uint16(types.float32, elem), codegen
+        return None
+
+    def to_elem(x, elem):
+        """float32 x as a K/V element of `elem`'s type (numba code only: see the overload)."""
+        raise NotImplementedError("to_elem runs inside numba kernels only")
+
+    @overload(to_elem, inline="always")
+    def _to_elem(x, elem):
+        # NOTE(kv-half): a half is clamped to its range first, so no K/V element is ever inf
+        if elem.dtype == types.uint16:
+            return lambda x, elem: _as_elem(min(max(x, np.float32(-65504.0)), np.float32(65504.0)), elem)
+        return lambda x, elem: _as_elem(x, elem)
+
     @njit(**_JIT)
-    def layer_view(kv, s, which, li, G, D):   # pragma: no cover - compiled
+    def layer_view(kv, elem, s, which, li, G, D):   # pragma: no cover - compiled
         # sequence s's K (which 0) or V (1) buffer of layer li as [capacity, G, D]
         cap = kv[s, 2]
-        return carray(_f32_at(kv[s, which] + 4 * li * cap * G * D), (cap, G, D))
+        return carray(_at(kv[s, which] + elem.itemsize * li * cap * G * D, elem), (cap, G, D))
 
     @intrinsic
     def _pow2(typingctx, n):
@@ -96,7 +148,7 @@ if AVAILABLE:
         # vectorised with reassociation: the lanes' order is fixed by this loop alone
         acc = np.float32(0)
         for d in range(q.shape[0]):
-            acc += q[d] * k[d]
+            acc += q[d] * as_f32(k[d])
         return acc
 
     @njit(fastmath=True, cache=True, nogil=True)
@@ -131,12 +183,12 @@ if AVAILABLE:
             e0, e1, e2, e3 = s[j - a], s[j + 1 - a], s[j + 2 - a], s[j + 3 - a]
             v0, v1, v2, v3 = vals[j, g], vals[j + 1, g], vals[j + 2, g], vals[j + 3, g]
             for d in range(o.shape[0]):
-                o[d] += (e0 * v0[d] + e1 * v1[d]) + (e2 * v2[d] + e3 * v3[d])
+                o[d] += (e0 * as_f32(v0[d]) + e1 * as_f32(v1[d])) + (e2 * as_f32(v2[d]) + e3 * as_f32(v3[d]))
             j += 4
         for j in range(j, b):
             e, vj = s[j - a], vals[j, g]
             for d in range(o.shape[0]):
-                o[d] += e * vj[d]
+                o[d] += e * as_f32(vj[d])
         return best, _total(s[:b - a])
 
     @njit(**_FM)
@@ -199,14 +251,14 @@ if AVAILABLE:
         return out[:nb]
 
     @njit(inline="always", **_JIT)
-    def _chunk(q, seq, pos, kv, li, window, H, G, D, blocks, b, g, c, o, m, t):   # pragma: no cover - compiled
+    def _chunk(q, seq, pos, kv, elem, li, window, H, G, D, blocks, b, g, c, o, m, t):   # pragma: no cover - compiled
         # the partial (o, m, t) of block b's rows over chunk c of KV head g
         r0, r1 = blocks[b, 0], blocks[b, 1]
-        k, v = layer_view(kv, seq[r0], 0, li, G, D), layer_view(kv, seq[r0], 1, li, G, D)
+        k, v = layer_view(kv, elem, seq[r0], 0, li, G, D), layer_view(kv, elem, seq[r0], 1, li, G, D)
         _partial(q, pos, window, r0, r1, k, v, g, H // G, D, c * CHUNK, (c + 1) * CHUNK, o, m, t)
 
     @njit(**_JIT)
-    def _block_head(q, seq, pos, kv, li, window, H, G, D, blocks, b, g, po, pm, pt, task, out):   # pragma: no cover - compiled
+    def _block_head(q, seq, pos, kv, elem, li, window, H, G, D, blocks, b, g, po, pm, pt, task, out):   # pragma: no cover - compiled
         # block b's rows for KV head g into out, from its chunks' partials: those at po/pm/pt[task..]
         # (task >= 0), or else computed here chunk by chunk, each merged as it comes
         r0, r1, c0, nc = blocks[b, 0], blocks[b, 1], blocks[b, 2], blocks[b, 3]
@@ -220,7 +272,7 @@ if AVAILABLE:
         else:
             oc, mc, tc = np.empty((rows, D), np.float32), np.empty(rows, np.float32), np.empty(rows, np.float32)
             for c in range(nc):
-                _chunk(q, seq, pos, kv, li, window, H, G, D, blocks, b, g, c0 + c, oc, mc, tc)
+                _chunk(q, seq, pos, kv, elem, li, window, H, G, D, blocks, b, g, c0 + c, oc, mc, tc)
                 _merge(o, m, t, oc, mc, tc)
         _store(o, t, r0, g, H // G, D, out)
 
@@ -244,25 +296,25 @@ if AVAILABLE:
         return blocks, first, owner, spread, po, np.empty((tasks, n), np.float32), np.empty((tasks, n), np.float32)
 
     @njit(**_JIT)
-    def _task(x, q, seq, pos, kv, li, window, H, G, D, blocks, first, owner, spread, po, pm, pt, out):   # pragma: no cover - compiled
+    def _task(x, q, seq, pos, kv, elem, li, window, H, G, D, blocks, first, owner, spread, po, pm, pt, out):   # pragma: no cover - compiled
         b = owner[x]
         nc = blocks[b, 3] if spread else 1
         g, c = (x - G * first[b]) // nc, (x - G * first[b]) % nc
         if spread:
-            _chunk(q, seq, pos, kv, li, window, H, G, D, blocks, b, g, blocks[b, 2] + c, po[x], pm[x], pt[x])
+            _chunk(q, seq, pos, kv, elem, li, window, H, G, D, blocks, b, g, blocks[b, 2] + c, po[x], pm[x], pt[x])
         else:
-            _block_head(q, seq, pos, kv, li, window, H, G, D, blocks, b, g, po, pm, pt, np.int64(-1), out)
+            _block_head(q, seq, pos, kv, elem, li, window, H, G, D, blocks, b, g, po, pm, pt, np.int64(-1), out)
 
     @njit(**_JIT)
-    def _gather(q, seq, pos, kv, li, window, H, G, D, blocks, first, po, pm, pt, out):   # pragma: no cover - compiled
+    def _gather(q, seq, pos, kv, elem, li, window, H, G, D, blocks, first, po, pm, pt, out):   # pragma: no cover - compiled
         # spread: every (block, KV head) merged from its chunks' partials (a few, small: one thread)
         for bg in range(blocks.shape[0] * G):
             b, g = bg // G, bg % G
-            _block_head(q, seq, pos, kv, li, window, H, G, D, blocks, b, g, po, pm, pt,
+            _block_head(q, seq, pos, kv, elem, li, window, H, G, D, blocks, b, g, po, pm, pt,
                         G * first[b] + g * blocks[b, 3], out)
 
     @njit(parallel=True, **_JIT)
-    def attend_rows(q, seq, pos, kv, li, window, H, G, D, out):   # pragma: no cover - compiled
+    def attend_rows(q, seq, pos, kv, elem, li, window, H, G, D, out):   # pragma: no cover - compiled
         # out [R, H*D]: row r's query heads (q[r, :H*D], pre-scaled, rotated) at position pos[r] of
         # sequence seq[r] over its keys lo..pos[r] of layer li (lo = pos[r] - window + 1, or 0);
         # query head h reads KV head h // (H/G)
@@ -270,9 +322,9 @@ if AVAILABLE:
         # seconds longer over the planning)
         blocks, first, owner, spread, po, pm, pt = _plan(seq, pos, window, H, G, D)
         for x in prange(owner.shape[0]):
-            _task(np.int64(x), q, seq, pos, kv, li, window, H, G, D, blocks, first, owner, spread, po, pm, pt, out)
+            _task(np.int64(x), q, seq, pos, kv, elem, li, window, H, G, D, blocks, first, owner, spread, po, pm, pt, out)
         if spread:
-            _gather(q, seq, pos, kv, li, window, H, G, D, blocks, first, po, pm, pt, out)
+            _gather(q, seq, pos, kv, elem, li, window, H, G, D, blocks, first, po, pm, pt, out)
 
 
 def attend(q, keys, vals, pos, window=0):
@@ -287,5 +339,5 @@ def attend(q, keys, vals, pos, window=0):
     kv = np.array([[keys.ctypes.data, vals.ctypes.data, keys.shape[0]]], np.int64)
     out = np.empty((T, H * D), np.float32)
     attend_rows(np.ascontiguousarray(q, dtype=np.float32).reshape(T, H * D), np.zeros(T, np.int64),
-                np.arange(pos, pos + T, dtype=np.int64), kv, 0, int(window), H, G, D, out)
+                np.arange(pos, pos + T, dtype=np.int64), kv, element(np.float32), 0, int(window), H, G, D, out)
     return out

@@ -17,8 +17,9 @@ position's numbers never depend on its neighbours or on how a prompt was cut. Th
 every call, prompt and decode alike, on this path or every call on the other (`Transformer.fused`).
 
 The KV caches of the R rows' sequences are reached by address: `kv` [S, 3] int64 holds each
-sequence's K buffer address, V buffer address and capacity (buffers float32 C-contiguous
-[n_layer, capacity, G, D], kept alive and large enough by the caller for the call's length).
+sequence's K buffer address, V buffer address and capacity (buffers C-contiguous [n_layer,
+capacity, G, D] of `elem`'s type, float32 or half floats: attention.py, NOTE(kv-half); kept alive
+and large enough by the caller for the call's length).
 """
 import numpy as np
 
@@ -81,7 +82,7 @@ if AVAILABLE:
                     o[j] = g[j] / (np.float32(1) + attention.exp(-g[j])) * u[j]
 
     @njit(**_FM)
-    def _heads_to_cache(qkv, seq, pos, kv, li, cos, sin, qk_norm, eps, H, G, D):   # pragma: no cover - compiled
+    def _heads_to_cache(qkv, seq, pos, kv, elem, li, cos, sin, qk_norm, eps, H, G, D):   # pragma: no cover - compiled
         # qkv [R, (H+2G)*D], in place: q/k head norms (qk_norm [2, D], or [0, D] for none), rotary
         # on the first 2*half dims of the q and k heads; k and v heads stored at pos[r] of layer li
         R = qkv.shape[0]
@@ -97,12 +98,12 @@ if AVAILABLE:
                     x[i] = x1 * c - x2 * sn
                     x[half + i] = x2 * c + x1 * sn
             # NOTE(compile): element loops; the slice assignments took 7 s more to compile
-            keys, vals = attention.layer_view(kv, s, 0, li, G, D), attention.layer_view(kv, s, 1, li, G, D)
+            keys, vals = attention.layer_view(kv, elem, s, 0, li, G, D), attention.layer_view(kv, elem, s, 1, li, G, D)
             for g in range(G):
                 kd, vd = keys[p, g], vals[p, g]
                 for d in range(D):
-                    kd[d] = qkv[r, (H + g) * D + d]
-                    vd[d] = qkv[r, (H + G + g) * D + d]
+                    kd[d] = attention.to_elem(qkv[r, (H + g) * D + d], elem)
+                    vd[d] = attention.to_elem(qkv[r, (H + G + g) * D + d], elem)
 
     @njit(**_FM)
     def _residual(x, y, norms, post, eps):   # pragma: no cover - compiled
@@ -115,7 +116,7 @@ if AVAILABLE:
                 xr[j] += yr[j]
 
     @njit(**_JIT)
-    def layer(x, seq, pos, kv, li, window, cos, sin, eps, gelu, H, G, D,
+    def layer(x, seq, pos, kv, elem, li, window, cos, sin, eps, gelu, H, G, D,
               norms, bqkv, qk_norm, qvs, ds, ms, isa_id):   # pragma: no cover - compiled
         # x [R, dim] in place. norms [2 or 4, dim]: the attention and MLP norms, then the post norms
         # where the model has them; bqkv [(H+2G)*D] or [0]; qvs/ds/ms: wqkv, wo, w_gate_up, w_down as
@@ -130,9 +131,9 @@ if AVAILABLE:
             qr = qkv[r]
             for j in range(qr.shape[0]):
                 qr[j] += bqkv[j]
-        _heads_to_cache(qkv, seq, pos, kv, li, cos, sin, qk_norm, eps, H, G, D)
+        _heads_to_cache(qkv, seq, pos, kv, elem, li, cos, sin, qk_norm, eps, H, G, D)
         att = np.empty((R, H * D), np.float32)
-        attention.attend_rows(qkv, seq, pos, kv, li, window, H, G, D, att)
+        attention.attend_rows(qkv, seq, pos, kv, elem, li, window, H, G, D, att)
         int8.product(att, qvs[1], ds[1], ms[1], h, isa_id)
         _residual(x, h, norms, 2, eps)
         _norm_rows(x, norms[1], eps, h)
@@ -147,12 +148,12 @@ if AVAILABLE:
     def _layer_on(isa_id):
         """`layer` with its integer dots' instruction path fixed (see int8._product_on)."""
         @njit(**_JIT)
-        def layer_on(x, seq, pos, kv, li, window, cos, sin, eps, gelu, H, G, D,
+        def layer_on(x, seq, pos, kv, elem, li, window, cos, sin, eps, gelu, H, G, D,
                      norms, bqkv, qk_norm, qvs, ds, ms):   # pragma: no cover - compiled
-            layer(x, seq, pos, kv, li, window, cos, sin, eps, gelu, H, G, D, norms, bqkv, qk_norm, qvs, ds, ms, isa_id)
+            layer(x, seq, pos, kv, elem, li, window, cos, sin, eps, gelu, H, G, D, norms, bqkv, qk_norm, qvs, ds, ms, isa_id)
         return layer_on
 
-    # the layer kernel per instruction path (isa.PATHS): LAYER[path](x, seq, pos, kv, li, window, cos,
+    # the layer kernel per instruction path (isa.PATHS): LAYER[path](x, seq, pos, kv, elem, li, window, cos,
     # sin, *layer_args(cfg, lw))
     LAYER = {path: _layer_on(isa.IDS[path]) for path in isa.PATHS}
 
@@ -176,6 +177,11 @@ def layer_args(cfg, lw):
 
 
 def addresses(caches):
-    """`kv` for `layer`: each cache's K and V buffer addresses and capacity, int64 [S, 3]."""
-    return np.array([(c.k.__array_interface__["data"][0], c.v.__array_interface__["data"][0], c.capacity)
-                     for c in caches], np.int64)
+    """(`kv`, `elem`) for `layer`: each cache's K and V buffer addresses and capacity, int64 [S, 3],
+    and their element type (every cache of one call holds the same)."""
+    dtypes = {c.k.dtype for c in caches} | {c.v.dtype for c in caches}
+    if len(dtypes) != 1:
+        raise ValueError(f"one call's KV caches must share their dtype, not {sorted(map(str, dtypes))}")
+    kv = np.array([(c.k.__array_interface__["data"][0], c.v.__array_interface__["data"][0], c.capacity)
+                   for c in caches], np.int64)
+    return kv, attention.element(dtypes.pop())
