@@ -5,7 +5,7 @@
 
 The float32 path (float kernels, dequantized weights' exact values) equals transformers to ~1e-4 on
 every logit (tests/engine/test_parity_hf.py), so it is the reference. Measured against it:
-- greedy first divergence: over PROMPTS (24), each path runs free `--steps` greedy tokens; the step
+- greedy first divergence: over PROMPTS (72; `--prompts N`: the first N), each path runs free `--steps` greedy tokens; the step
   at which it first leaves the reference's tokens (= steps when identical). Median, how many differ
   at the first token, how many are identical to the end;
 - along a teacher-forced text (TEXT, the method of llama.cpp's `llama-perplexity --kl-divergence`):
@@ -41,6 +41,26 @@ PROMPTS = [
     "My favourite book is", "The stock market", "How do airplanes fly?", "Recipe for pancakes:\n1.",
     "The largest planet in the solar system is", "for i in range(10):\n    print(",
 ]
+# NOTE(accuracy): a first-divergence median over 24 prompts is decided by a few near-ties (one
+# attention rewrite moved it from 25 to 17.5 with the teacher-forced figures unchanged), so the
+# default set adds 48 more; `--prompts 24` is the first set alone.
+PROMPTS += [
+    "The Great Wall of China was built", "A good night's sleep helps", "The speed of light is",
+    "function add(a, b) {", "Shakespeare wrote", "The human heart has four", "Rain forms when",
+    "The first step in solving a problem is", "Berlin is the capital of", "#include <stdio.h>\n",
+    "The difference between weather and climate is", "An apple a day", "The recipe calls for two cups of",
+    "In the year 2050, cities will", "Electric cars are", "The Pythagorean theorem says that",
+    "She opened the door and saw", "git commit -m", "The ocean covers about", "A triangle has",
+    "The moon orbits", "Vaccines work by", "Once the meeting ended, the team", "The Roman Empire fell",
+    "To install the package, run", "The best thing about summer is", "Dogs are known for their",
+    "The Eiffel Tower is located in", "Machine learning is a field of", "He picked up the guitar and",
+    "The boiling point of water at sea level", "def is_prime(n):\n", "The weather today is",
+    "In a small town in Italy,", "The ingredients for a salad are", "Mount Everest is the",
+    "The author of Pride and Prejudice", "The sun rises in the", "CREATE TABLE orders (",
+    "The most important lesson I learned", "The train left the station at", "Bees make honey by",
+    "A computer's memory stores", "The Amazon river flows through", "Please write a short poem about the sea:\n",
+    "The opposite of hot is", "My plan for the weekend is to", "The number pi is approximately",
+]
 TEXT = """The history of computing is longer than the history of computing hardware and modern computing
 technology and includes the history of methods intended for pen and paper or for chalk and slate, with or
 without the aid of tables. Digital computing is intimately tied to the representation of numbers. But long
@@ -75,6 +95,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=str(default_model_path()))
     p.add_argument("--steps", type=int, default=48)
+    p.add_argument("--prompts", type=int, default=len(PROMPTS), help=f"the first N of the {len(PROMPTS)} prompts")
     p.add_argument("--llama-server", default="", help="URL of a llama-server on the same GGUF")
     p.add_argument("--n-probs", type=int, default=40, help="top-N probabilities asked of llama-server")
     p.add_argument("--float-products", default="", help=f"comma list of head,{','.join(PRODUCTS)}")
@@ -149,8 +170,9 @@ def llama_figures(url, prompts, ref_paths, ids, ref_lp, n_probs):
 
 
 def measure(args):
-    global STEPS
+    global STEPS, PROMPTS
     STEPS = args.steps
+    PROMPTS = PROMPTS[:max(1, args.prompts)]
     ref_engine = load_engine(args.model, device="cpu", activations="float32")
     ours = load_engine(args.model, device="cpu")
     model, ref = ours.model, ref_engine.model
