@@ -87,6 +87,48 @@ The river rose slowly through the night. By morning the fields along the valley 
 farmers who had stayed moved their animals to the hills. Nobody in the village could remember a flood like
 it; the oldest of them said that her grandmother had told of one, a hundred years before, when the bridge
 was carried away and the church stood alone in a lake for a week.
+
+Photosynthesis takes place mainly in the leaves of plants. Sunlight is absorbed by chlorophyll, and the
+energy is used to split water into oxygen and hydrogen. The hydrogen is combined with carbon dioxide from
+the air to make sugars, which the plant uses to grow or stores as starch. The oxygen is released through
+small openings in the leaves called stomata, which also let carbon dioxide in and water vapour out.
+
+Dear Ms Patel,
+Thank you for your letter of 3 March. I am sorry to hear that the parcel arrived damaged. We have sent a
+replacement by courier, and it should reach you within five working days. There is no need to return the
+damaged item. If anything else is wrong with your order, please reply to this email or call our customer
+service team on weekdays between nine and five.
+Kind regards,
+James Fletcher
+
+class Counter:
+    def __init__(self):
+        self.counts = {}
+
+    def add(self, word):
+        self.counts[word] = self.counts.get(word, 0) + 1
+
+    def most_common(self, n):
+        return sorted(self.counts.items(), key=lambda kv: kv[1], reverse=True)[:n]
+
+SELECT customers.name, COUNT(orders.id) AS total
+FROM customers
+JOIN orders ON orders.customer_id = customers.id
+WHERE orders.created_at >= '2024-01-01'
+GROUP BY customers.name
+ORDER BY total DESC
+LIMIT 10;
+
+The first bicycles had no pedals at all: riders pushed themselves along with their feet. Pedals were added
+to the front wheel in the 1860s, and because each turn of the pedals turned the wheel once, makers built
+front wheels larger and larger to go faster. These high-wheelers were dangerous, and the safety bicycle,
+with two wheels of the same size and a chain driving the rear one, replaced them within a few years. Air
+filled tyres followed soon after, and the basic shape of the bicycle has hardly changed since.
+
+Q: What is the difference between a virus and a bacterium?
+A: A bacterium is a single living cell that can grow and divide on its own. A virus is much smaller and is
+not a cell: it is a piece of genetic material inside a protein coat, and it can only make copies of itself
+inside the cells of another organism. Antibiotics can kill many bacteria but have no effect on viruses.
 """
 PRODUCTS = ("wqkv", "wo", "w_gate_up", "w_down")
 
