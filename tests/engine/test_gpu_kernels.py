@@ -164,6 +164,9 @@ MUTANTS = {
     "store": ("+ (long)pos[r] * GD;\n  float* V", "+ (long)pos[r];\n  float* V"),
     "layer": ("const float* K = (const float*)kv[r] + layer * lstride[r];", "const float* K = (const float*)kv[r];"),
     "tree-sum": ("if (tid < w) red[tid] += red[tid + w];", "if (tid < w) red[tid] += red[tid + w - 1];"),
+    "norm": ("if (tid < v) red[tid] += red[tid + v];", "if (tid < v) red[tid] += red[tid + v - 1];"),
+    "gate": ("const float t = 0.5f * g;", "const float t = 0.5f * u;"),
+    "rope": ("xh[i + half] * c + xh[i] * s", "xh[i + half] * c - xh[i] * s"),
 }
 
 
@@ -194,6 +197,50 @@ def test_broken_attention_indexing_fails_the_check():
     assert attention_error(mutant("attend")) > 1e-3       # every head reads KV head 0
     assert attention_error(mutant("window"), window=5) > 1e-3
     assert attention_error(mutant("tree-sum")) > 1e-3
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 576), (5, 64), (3, 2, 1000)])    # a decode row; q/k heads; D past a block's threads
+def test_rms_norm_matches_the_array_code(kernels, shape):
+    from turbospark_wsgi.engine.model import rms_norm
+    rng = np.random.default_rng(len(shape))
+    x = (rng.standard_normal(shape) * rng.uniform(1e-3, 30, shape[:-1] + (1,))).astype(np.float32)
+    w = rng.standard_normal(shape[-1]).astype(np.float32)
+    got, want = kernels.rms_norm(x, w, 1e-5), rms_norm(x, w, 1e-5, np)
+    assert got.shape == want.shape and np.abs(got - want).max() <= 2e-6 * np.abs(want).max()
+    strided = np.repeat(x, 2, axis=-2)[..., ::2, :] if x.ndim == 3 else x[:, None][:, 0]
+    assert np.array_equal(kernels.rms_norm(strided, w, 1e-5), got)          # copied to rows first
+
+
+@pytest.mark.parametrize("gelu", [False, True])
+def test_gate_matches_the_array_code(kernels, gelu):
+    from turbospark_wsgi.engine.model import gelu_tanh_gate, swiglu
+    F = 300
+    gu = (np.random.default_rng(int(gelu)).standard_normal((3, 1, 2 * F)) * 4).astype(np.float32)
+    gu[0, 0, :3] = [-100.0, 100.0, 0.0]                                # SiLU's tails without overflow
+    got, want = kernels.gate(gu, F, gelu), (gelu_tanh_gate if gelu else swiglu)(gu, F, np)
+    assert got.shape == want.shape == (3, 1, F)
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+
+
+@pytest.mark.parametrize("rot", [64, 32])                              # whole heads; partial rotary (phi3)
+def test_rope_matches_the_array_code(kernels, rot):
+    from turbospark_wsgi.engine.attention import rope
+    rng = np.random.default_rng(rot)
+    qkv = rng.standard_normal((4, 9, 64)).astype(np.float32)            # 5 q|k heads of 9
+    ang = rng.uniform(0, 100, (4, 1, rot // 2))
+    cos, sin = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+    got, want = kernels.rope(qkv[:, :5], cos, sin, rot), rope(qkv[:, :5], cos, sin, rot, np)
+    assert got.shape == want.shape == (4, 5, 64)
+    assert np.abs(got - want).max() <= 1e-6 * np.abs(want).max()
+
+
+def test_broken_norm_and_gate_fail_their_checks(kernels):
+    with pytest.raises(AssertionError):
+        test_rms_norm_matches_the_array_code(mutant("norm"), (5, 64))
+    with pytest.raises(AssertionError):
+        test_gate_matches_the_array_code(mutant("gate"), False)
+    with pytest.raises(AssertionError):
+        test_rope_matches_the_array_code(mutant("rope"), 64)
 
 
 @pytest.mark.skipif(not shutil.which("nvcc"), reason="needs nvcc")

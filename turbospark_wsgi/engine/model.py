@@ -223,6 +223,10 @@ class DecoderLayers:
 
     def __init__(self, cfg, weights, xp):
         self.cfg, self.weights, self.xp = cfg, weights, xp
+        # the row-wise steps, which a backend may replace with kernels of its own (gpu/model.py)
+        self.norm = lambda x, weight, eps: rms_norm(x, weight, eps, xp)
+        self.gate = lambda gu, ffn_dim, gelu: (gelu_tanh_gate if gelu else swiglu)(gu, ffn_dim, xp)
+        self.rope = lambda x, cos, sin, rot: rope(x, cos, sin, rot, xp)
 
     def run(self, x, ropes, mm, attend):
         """Every layer on x `[R, dim]` or `[R, 1, dim]` (in place), products by `mm`:
@@ -232,11 +236,11 @@ class DecoderLayers:
         H, G = c.n_head, c.n_kv_head
         for i, lw in enumerate(self.weights.layers):
             yielding.point()                                            # NOTE(front-door): see yielding.py
-            h = rms_norm(x, lw.attn_norm, c.norm_eps, xp)
+            h = self.norm(x, lw.attn_norm, c.norm_eps)
             qkv = self._heads(mm(h, lw.wqkv, xp), lw, len(x))           # [R, H+2G, D]  q|k|v heads
-            qk = rope(qkv[:, :H + G], *ropes[i], c.rope_dim, xp)        # [R, H+G, D]
+            qk = self.rope(qkv[:, :H + G], *ropes[i], c.rope_dim)       # [R, H+G, D]
             x += self._post(mm(attend(i, qk, qkv), lw.wo, xp), lw.post_attn_norm)   # residual
-            h = rms_norm(x, lw.ffn_norm, c.norm_eps, xp)
+            h = self.norm(x, lw.ffn_norm, c.norm_eps)
             g = self._gate(mm(h, lw.w_gate_up, xp))                     # [R, (1,) ffn_dim]
             x += self._post(mm(g, lw.w_down, xp), lw.post_ffn_norm)     # residual
         return x
@@ -253,19 +257,19 @@ class DecoderLayers:
             qkv = qkv + lw.bqkv
         qkv = qkv.reshape(rows, H + 2 * G, c.head_dim)
         if lw.q_norm is not None:
-            qkv[:, :H] = rms_norm(qkv[:, :H], lw.q_norm, c.norm_eps, xp)
-            qkv[:, H:H + G] = rms_norm(qkv[:, H:H + G], lw.k_norm, c.norm_eps, xp)
+            qkv[:, :H] = self.norm(qkv[:, :H], lw.q_norm, c.norm_eps)
+            qkv[:, H:H + G] = self.norm(qkv[:, H:H + G], lw.k_norm, c.norm_eps)
         return qkv
 
     def _post(self, y, norm):
         """A sub-layer's output as added to the residual: RMS-normed where the architecture has
         post norms (row-wise, like every step here)."""
-        return y if norm is None else rms_norm(y, norm, self.cfg.norm_eps, self.xp)
+        return y if norm is None else self.norm(y, norm, self.cfg.norm_eps)
 
     def _gate(self, gu):
         """The MLP's gated activation of gate|up: SiLU, or GELU (tanh) for Gemma."""
         c = self.cfg
-        return (gelu_tanh_gate if c.gelu_gate else swiglu)(gu, c.ffn_dim, self.xp)
+        return self.gate(gu, c.ffn_dim, c.gelu_gate)
 
 
 def _probe_rows_exact(model, rows=128):

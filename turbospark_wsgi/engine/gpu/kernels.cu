@@ -52,6 +52,12 @@ enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q6_K = 14 };   // ggml type ids
 #ifndef AT_DMAX
 #define AT_DMAX 256                          // largest head size
 #endif
+#ifndef NM_THREADS
+#define NM_THREADS 256                       // threads of a row's RMSNorm
+#endif
+#ifndef EW_THREADS
+#define EW_THREADS 256                       // threads of an elementwise block
+#endif
 
 __host__ __device__ __forceinline__ float bits_float(unsigned u) {
 #ifdef __CUDACC__
@@ -295,7 +301,83 @@ __host__ __device__ void store_block(int r, const float* k, const float* v, cons
   }
 }
 
+// out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w over D values (rows ldx and ldo floats apart): a
+// decode step's norm in one launch where the array code took seven
+__host__ __device__ void rmsnorm_block(int r, const float* x, int ldx, const float* w, float eps, int D, float* out,
+                                       int ldo) {
+  SHARED float red[NM_THREADS];
+  const float* xr = x + (long)r * ldx;
+  float* o = out + (long)r * ldo;
+  PHASE(NM_THREADS) {
+    float a = 0.0f;
+    for (int d = tid; d < D; d += NM_THREADS) a += xr[d] * xr[d];
+    red[tid] = a;
+  }
+  for (int v = NM_THREADS / 2; v > 0; v >>= 1) {
+    PHASE(NM_THREADS) { if (tid < v) red[tid] += red[tid + v]; }
+  }
+  PHASE(NM_THREADS) {
+    const float rms = sqrtf(red[0] / (float)D + eps);
+    for (int d = tid; d < D; d += NM_THREADS) o[d] = xr[d] / rms * w[d];
+  }
+}
+
+// out[r, j] = act(gate) * up for gu[r] = gate (F values) | up (F values): SiLU as t (1 + tanh t),
+// t = gate / 2 (no exp overflow), or GELU's tanh form (gelu != 0); one thread per output value
+__host__ __device__ void gate_block(int b, const float* gu, int F, int gelu, float* out, long n) {
+  PHASE(EW_THREADS) {
+    const long e = (long)b * EW_THREADS + tid;
+    if (e < n) {
+      const long r = e / F, j = e % F;
+      const float g = gu[r * 2 * F + j], u = gu[r * 2 * F + F + j];
+      float a;
+      if (gelu) {
+        a = 0.5f * g * (1.0f + tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g)));
+      } else {
+        const float t = 0.5f * g;
+        a = t * (1.0f + tanhf(t));
+      }
+      out[e] = a * u;
+    }
+  }
+}
+
+// rotary embedding of x [R, heads, D] (rows ldx floats apart, heads contiguous) into out [R, heads, D]:
+// pairs (i, i + half) of each head's first 2*half dims by cos/sin [R, half], the rest copied; one
+// thread per output value (model.rope's numbers)
+__host__ __device__ void rope_block(int b, const float* x, int ldx, const float* cs, const float* sn, int half,
+                                    int heads, int D, float* out, long n) {
+  PHASE(EW_THREADS) {
+    const long e = (long)b * EW_THREADS + tid;
+    if (e < n) {
+      const long r = e / ((long)heads * D);
+      const int d = (int)(e % D);
+      const float* xh = x + r * ldx + (e / D % heads) * D;
+      float v = xh[d];
+      if (d < 2 * half) {
+        const int i = d < half ? d : d - half;
+        const float c = cs[r * half + i], s = sn[r * half + i];
+        v = d < half ? xh[i] * c - xh[i + half] * s : xh[i + half] * c + xh[i] * s;
+      }
+      out[e] = v;
+    }
+  }
+}
+
 #ifdef __CUDACC__
+extern "C" __global__ void rope(const float* x, int ldx, const float* cs, const float* sn, int half, int heads, int D,
+                                float* out, long n) {
+  rope_block(blockIdx.x, x, ldx, cs, sn, half, heads, D, out, n);
+}
+
+extern "C" __global__ void rmsnorm(const float* x, int ldx, const float* w, float eps, int D, float* out, int ldo) {
+  rmsnorm_block(blockIdx.x, x, ldx, w, eps, D, out, ldo);
+}
+
+extern "C" __global__ void gate(const float* gu, int F, int gelu, float* out, long n) {
+  gate_block(blockIdx.x, gu, F, gelu, out, n);
+}
+
 extern "C" __global__ void qmatmul(int t, const u8* W, int n, int k, long row_bytes, const float* x, int ldx, int B,
                                    float* y, int ldy, int col0, float scale) {
   qmatmul_block(blockIdx.y, blockIdx.x, t, W, n, k, row_bytes, x, ldx, B, y, ldy, col0, scale);
@@ -317,6 +399,19 @@ extern "C" __global__ void store(const float* k, const float* v, const u64* kv, 
 }
 #else
 // the same launches on the host: every thread block of the grid in turn
+extern "C" void rope(int gx, int gy, const float* x, int ldx, const float* cs, const float* sn, int half, int heads,
+                     int D, float* out, long n) {
+  for (int bx = 0; bx < gx; ++bx) rope_block(bx, x, ldx, cs, sn, half, heads, D, out, n);
+}
+
+extern "C" void rmsnorm(int gx, int gy, const float* x, int ldx, const float* w, float eps, int D, float* out, int ldo) {
+  for (int bx = 0; bx < gx; ++bx) rmsnorm_block(bx, x, ldx, w, eps, D, out, ldo);
+}
+
+extern "C" void gate(int gx, int gy, const float* gu, int F, int gelu, float* out, long n) {
+  for (int bx = 0; bx < gx; ++bx) gate_block(bx, gu, F, gelu, out, n);
+}
+
 extern "C" void qmatmul(int gx, int gy, int t, const u8* W, int n, int k, long row_bytes, const float* x, int ldx,
                         int B, float* y, int ldy, int col0, float scale) {
   for (int by = 0; by < gy; ++by)

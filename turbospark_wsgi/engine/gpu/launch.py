@@ -22,14 +22,15 @@ UNIT = 32                       # weights a thread decodes at once (kernels.cu U
 # launch shapes, passed to both builds as -D flags (kernels.cu holds the same defaults); a build
 # may override some (tools/gpu_check.py tries other qmatmul shapes)
 SHAPES = {"MM_THREADS": 256, "MM_LANES": 32, "MM_BATCH": 4, "DQ_THREADS": 256, "AT_THREADS": 128, "AT_DMAX": 256,
-          "ST_THREADS": 128}
+          "ST_THREADS": 128, "NM_THREADS": 256, "EW_THREADS": 256}
 # PERF(gemv): products of at most this many input rows run on qmatmul (weights read once per
 # MM_BATCH rows); longer ones dequantize the matrix and multiply with the BLAS (cuBLAS on a GPU).
 GEMV_ROWS = 16
 MAX_GRID_Y = 65535
 
 # argument kinds of each kernel after the grid: p pointer (array or None), i int32, l int64, f float32
-SIGNATURES = {"qmatmul": "ipiilpiipiif", "dequant": "ipiilppif", "attend": "pppipiiiiip", "store": "ppppipii"}
+SIGNATURES = {"qmatmul": "ipiilpiipiif", "dequant": "ipiilppif", "attend": "pppipiiiiip", "store": "ppppipii",
+              "rmsnorm": "pipfipi", "gate": "piipl", "rope": "pippiiipl"}
 
 
 def supported(ggml_type, shape):
@@ -77,6 +78,47 @@ class Kernels:
                          [qtype, blocks, n, k, blocks.shape[1], x, k, B, out, out.shape[1], col0, scale])
         else:
             out[:, col0:col0 + n] = x @ self.dequantize(blocks, qtype, k, scale=scale).T
+
+    def rms_norm(self, x, weight, eps):
+        """x / sqrt(mean(x^2) + eps) * weight over the last axis of float32 x (any leading shape,
+        rows contiguous): one launch, a thread block per row (model.rms_norm's numbers to float32
+        rounding; the sum of squares is reduced in another order)."""
+        xp, D = self.xp, x.shape[-1]
+        x = xp.ascontiguousarray(x, dtype=np.float32)
+        out = xp.empty(x.shape, dtype=np.float32)
+        rows = x.size // D
+        if rows:
+            self._launch("rmsnorm", (rows, 1), self.shapes["NM_THREADS"],
+                         [x, D, xp.ascontiguousarray(weight, dtype=np.float32), eps, D, out, D])
+        return out
+
+    def rope(self, x, cos, sin, rot):
+        """model.rope on the kernel: x [R, heads, D] (any strides; copied to rows first), cos/sin
+        [R, 1, rot/2] -> a new float32 [R, heads, D]; one launch where the array code took eight."""
+        xp = self.xp
+        R, heads, D = x.shape
+        x = xp.ascontiguousarray(x, dtype=np.float32)
+        half = rot // 2
+        cs = xp.ascontiguousarray(cos, dtype=np.float32).reshape(R, half)
+        sn = xp.ascontiguousarray(sin, dtype=np.float32).reshape(R, half)
+        out = xp.empty((R, heads, D), dtype=np.float32)
+        n = out.size
+        if n:
+            self._launch("rope", (-(-n // self.shapes["EW_THREADS"]), 1), self.shapes["EW_THREADS"],
+                         [x, heads * D, cs, sn, half, heads, D, out, n])
+        return out
+
+    def gate(self, gu, ffn_dim, gelu=False):
+        """act(gate) * up for gu = [..., 2*ffn_dim] (gate | up): SiLU, or GELU's tanh form; one launch
+        (model.swiglu / gelu_tanh_gate's numbers to float32 rounding)."""
+        xp = self.xp
+        gu = xp.ascontiguousarray(gu, dtype=np.float32)
+        out = xp.empty(gu.shape[:-1] + (ffn_dim,), dtype=np.float32)
+        n = out.size
+        if n:
+            self._launch("gate", (-(-n // self.shapes["EW_THREADS"]), 1), self.shapes["EW_THREADS"],
+                         [gu, ffn_dim, int(bool(gelu)), out, n])
+        return out
 
     def dequantize(self, blocks, qtype, k, rows=None, scale=1.0):
         """float32 [n, k]: rows `rows` (int32 device array; default all) of W, times `scale`."""
