@@ -113,16 +113,11 @@ if AVAILABLE:
         return None
 
     @intrinsic
-    def _as_elem(typingctx, x, elem):
-        """float32 x as `elem`'s element type: itself, or the bits of the nearest half float (ties
-        to even, as numpy's astype(float16))."""
-        if elem.dtype == types.float32:
-            return types.float32(types.float32, elem), lambda context, builder, signature, args: args[0]
-        if elem.dtype == types.uint16:
-            def codegen(context, builder, signature, args):
-                return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
-            return types.uint16(types.float32, elem), codegen
-        return None
+    def _half_bits(typingctx, x):
+        """The bits of the half float nearest float32 x (ties to even, as numpy's astype(float16))."""
+        def codegen(context, builder, signature, args):
+            return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
+        return types.uint16(types.float32), codegen
 
     def to_elem(x, elem):
         """float32 x as a K/V element of `elem`'s type (numba code only: see the overload)."""
@@ -132,8 +127,8 @@ if AVAILABLE:
     def _to_elem(x, elem):
         # NOTE(kv-half): a half is clamped to its range first, so no K/V element is ever inf
         if elem.dtype == types.uint16:
-            return lambda x, elem: _as_elem(min(max(x, np.float32(-65504.0)), np.float32(65504.0)), elem)
-        return lambda x, elem: _as_elem(x, elem)
+            return lambda x, elem: _half_bits(min(max(x, np.float32(-65504.0)), np.float32(65504.0)))
+        return lambda x, elem: x
 
     @njit(**_JIT)
     def layer_view(kv, elem, s, which, li, G, D):   # pragma: no cover - compiled
