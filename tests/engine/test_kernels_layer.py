@@ -93,6 +93,13 @@ def test_half_float_kv_caches_move_the_logits_by_their_rounding_alone(tiny_gguf,
     assert np.abs(half_logits - full_logits).mean() < 5e-3 * max(1.0, float(np.abs(full_logits).max()))
 
 
+def test_the_kv_cache_option_reaches_the_model(tiny_gguf):
+    path = tiny_gguf(qtype="Q8_0").path
+    dtypes = [load_model(path, device="cpu", **opt).model.new_cache(1).k.dtype
+              for opt in ({}, {"kv_cache": "f16"}, {"kv_cache": "f32"}, {"kv_cache": "f16", "fused_layers": False})]
+    assert dtypes == [np.float16, np.float16, np.float32, np.float32]      # half floats only where fused
+
+
 def test_llama_layers_follow_the_step_by_step_path(tiny_gguf, monkeypatch):
     assert_fused_follows_step_by_step(load_model(tiny_gguf(qtype="Q8_0").path, device="cpu").model, monkeypatch)
 
