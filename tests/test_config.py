@@ -49,6 +49,9 @@ def test_config_defaults_and_env():
     ({"TURBOSPARK_KV_CACHE": "f8"}, "TURBOSPARK_KV_CACHE must be one of auto, f16, f32"),
     ({"TURBOSPARK_KV_CACHE": "\ud800"}, "TURBOSPARK_KV_CACHE must be one of"),
     ({"TURBOSPARK_KV_CACHE": "f16" * 10000}, "TURBOSPARK_KV_CACHE must be one of"),
+    ({"TURBOSPARK_KERNELS": "fortran"}, "TURBOSPARK_KERNELS must be one of auto, native, numba"),
+    ({"TURBOSPARK_KERNELS": "\ud800"}, "TURBOSPARK_KERNELS must be one of"),
+    ({"TURBOSPARK_KERNELS": "c" * 30000}, "TURBOSPARK_KERNELS must be one of"),
     ({"TURBOSPARK_SPECULATIVE": "ngram"}, "TURBOSPARK_SPECULATIVE must be one of auto, on, off"),
     ({"TURBOSPARK_SPECULATIVE_TOKENS": "-1"}, "TURBOSPARK_SPECULATIVE_TOKENS must be >= 0"),
     ({"TURBOSPARK_SPECULATIVE_TOKENS": "8.5"}, "TURBOSPARK_SPECULATIVE_TOKENS must be an integer"),
@@ -68,12 +71,12 @@ def test_engine_settings_reach_the_engine_as_options():
                          "TURBOSPARK_COMPUTE_NICE": "0", "TURBOSPARK_ACTIVATIONS": "Float32",
                          "TURBOSPARK_ENCODER_THREADS": "2", "TURBOSPARK_INT8_VNNI": "0",
                          "TURBOSPARK_FUSED_LAYERS": "0", "TURBOSPARK_INT8_ISA": "AVX2", "TURBOSPARK_SPECULATIVE": "Off", "TURBOSPARK_KV_CACHE": "F32",
-                         "TURBOSPARK_SPECULATIVE_TOKENS": "3"})
+                         "TURBOSPARK_SPECULATIVE_TOKENS": "3", "TURBOSPARK_KERNELS": "Numba"})
     assert c.engine_options() == EngineOptions(device="cpu", weights="fp32", max_context=512, prefill_chunk=32,
                                                max_batch=4, max_paused=0, gemv_max_b=64, single_row_threads=1,
                                                activations="float32", encoder_threads=2, int8_vnni=False,
                                                int8_isa="avx2", fused_layers=False, kv_cache="f32", speculative="off",
-                                               speculative_tokens=3)
+                                               speculative_tokens=3, kernels="numba")
     assert c.compute_nice == 0 and Config().compute_nice == 5
 
 

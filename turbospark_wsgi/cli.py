@@ -29,8 +29,8 @@ def build_parser():
     p.add_argument("--quiet", action="store_true", help="no progress output")
     _models_dir_arg(sub.add_parser("models", help="list installed models (id, size, path)"))
     _check_parser(sub.add_parser("check", help="run one prompt through the engine, no HTTP"))
-    p = sub.add_parser("warm", help="compile the CPU kernels a model needs into numba's cache "
-                                    "(e.g. at a container image's build), then exit")
+    p = sub.add_parser("warm", help="build the CPU kernels a model needs into the kernel cache (the C "
+                                    "kernels, or numba's; e.g. at a container image's build), then exit")
     p.add_argument("--model", default=DEFAULT_MODEL, help="model name, id or path (pulled first when missing)")
     _models_dir_arg(p)
     return parser
@@ -194,8 +194,9 @@ def cmd_check(args):
 
 
 def cmd_warm(args):
-    """Loads the model as the server would (TURBOSPARK_* settings), which compiles every kernel it
-    runs into numba's cache (engine/warm.py); a server started later on this machine loads them."""
+    """Loads the model as the server would (TURBOSPARK_* settings), which builds every kernel it runs
+    into the kernel cache (the C kernels: kernels/native.py; numba's: kernels/warm.py); a server
+    started later on this machine loads them."""
     from .engine.loader import load_model
 
     start = time.perf_counter()

@@ -5,7 +5,7 @@ import re
 import socket
 from dataclasses import dataclass, field, fields
 
-from .engine.options import ACTIVATIONS, DEVICES, INT8_PATHS, KV_CACHE, SPECULATIVE, WEIGHTS, EngineOptions
+from .engine.options import ACTIVATIONS, DEVICES, INT8_PATHS, KERNELS, KV_CACHE, SPECULATIVE, WEIGHTS, EngineOptions
 from .serving.compute import DEFAULT_NICE
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -27,7 +27,8 @@ class Config:
     WEIGHTS (auto|quant|fp32), ACTIVATIONS (auto|int8|float32), GEMV_MAX_B and SINGLE_ROW_THREADS (CPU
     kernel tuning), INT8_ISA (auto|vnni512|avxvnni|avx2|neon|generic: the int8 dots' instructions),
     INT8_VNNI (1 or 0), FUSED_LAYERS (1 or 0: each layer one CPU kernel call, or the
-    step-by-step path), KV_CACHE (auto|f16|f32: the KV cache's numbers), SPECULATIVE (auto|on|off: speculative decoding by prompt lookup, auto where it
+    step-by-step path), KV_CACHE (auto|f16|f32: the KV cache's numbers), KERNELS (auto|native|numba: the CPU kernels'
+    code: C built by the machine's compiler, or numba's), SPECULATIVE (auto|on|off: speculative decoding by prompt lookup, auto where it
     pays), SPECULATIVE_TOKENS (tokens proposed per sequence and step), DRAFT_MODEL (an installed model
     of the same tokenizer that proposes instead of prompt lookup), ENCODER_THREADS (BLAS threads of an embedding encoder),
     COMPUTE_NICE (nice increment of the compute thread, 0 = unchanged), FRONT_DOOR (1 or 0: the
@@ -68,6 +69,7 @@ class Config:
     int8_vnni: bool = _ENGINE.int8_vnni
     fused_layers: bool = _ENGINE.fused_layers
     kv_cache: str = _ENGINE.kv_cache
+    kernels: str = _ENGINE.kernels
     speculative: str = _ENGINE.speculative
     speculative_tokens: int = _ENGINE.speculative_tokens
     draft_model: str = ""           # id, alias or path of a model with the same tokenizer (resolved by the registry)
@@ -117,6 +119,7 @@ class Config:
         _check_choice("activations", self.activations, ACTIVATIONS)
         _check_choice("int8_isa", self.int8_isa, INT8_PATHS)
         _check_choice("kv_cache", self.kv_cache, KV_CACHE)
+        _check_choice("kernels", self.kernels, KERNELS)
         _check_choice("worker_class", self.worker_class, WORKER_CLASSES)
         _check_choice("cache_isolation", self.cache_isolation, CACHE_ISOLATION)
         _check_choice("speculative", self.speculative, SPECULATIVE)
@@ -171,7 +174,7 @@ class Config:
                              gemv_max_b=self.gemv_max_b, single_row_threads=self.single_row_threads,
                              activations=self.activations, encoder_threads=self.encoder_threads,
                              int8_vnni=self.int8_vnni, int8_isa=self.int8_isa, fused_layers=self.fused_layers,
-                             kv_cache=self.kv_cache, speculative=self.speculative, speculative_tokens=self.speculative_tokens)
+                             kv_cache=self.kv_cache, kernels=self.kernels, speculative=self.speculative, speculative_tokens=self.speculative_tokens)
 
     def __repr__(self):
         # NOTE(secrets): keys never reach a log line through a repr of the config.
@@ -248,7 +251,7 @@ def _parse(name, raw):
         return _parse_number(name, raw, int)
     if name in _FLOATS:
         return _parse_number(name, raw, float)
-    return raw.lower() if name in ("device", "weights", "activations", "int8_isa", "kv_cache", "worker_class",
+    return raw.lower() if name in ("device", "weights", "activations", "int8_isa", "kv_cache", "kernels", "worker_class",
                                    "cache_isolation", "speculative") else raw
 
 

@@ -1,5 +1,5 @@
-"""Compiling the CPU kernels once per machine (engine/warm.py): workers starting together compile
-once, and a warm cache is only loaded."""
+"""Compiling the CPU kernels once per machine (kernels/warm.py for numba's, kernels/native.py for the
+C kernels): workers starting together compile once, and a warm cache is only loaded."""
 import json
 import os
 import subprocess
@@ -16,16 +16,17 @@ import json, sys, time
 t = time.perf_counter()
 from turbospark_wsgi.engine.kernels import attention, cpu as kernels_cpu, layer as kernels_layer, int8 as kernels_q8, warm
 from turbospark_wsgi.engine.loader import load_model
-m = load_model(sys.argv[1], device="cpu").model
+m = load_model(sys.argv[1], device="cpu", kernels=sys.argv[2]).model
 ds = [kernels_layer.LAYER[m.plan.isa], kernels_q8.PRODUCT[m.plan.isa], kernels_cpu._q4_batch, attention.attend_rows]
-print(json.dumps({"misses": sum(sum(d.stats.cache_misses.values()) for d in ds),
+print(json.dumps({"misses": sum(sum(d.stats.cache_misses.values()) for d in ds), "native": m.plan.native is not None,
+                  "built": bool(m.plan.native and m.plan.native.built),
                   "warm": warm.is_warm(m.plan.isa), "seconds": time.perf_counter() - t}))
 """
 
 
-def _start(model, cache):
+def _start(model, cache, kernels="numba"):
     env = dict(os.environ, NUMBA_CACHE_DIR=str(cache))
-    return subprocess.Popen([sys.executable, "-c", _LOAD, str(model)], env=env, stdout=subprocess.PIPE,
+    return subprocess.Popen([sys.executable, "-c", _LOAD, str(model), kernels], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
 
 
@@ -43,6 +44,19 @@ def test_workers_starting_together_compile_once_and_a_restart_only_loads(stories
     assert a["warm"] and b["warm"]
     again = _result(_start(stories_gguf, tmp_path))
     assert again["misses"] == 0 and again["warm"]
+
+
+def test_workers_starting_together_build_the_c_kernels_once_and_compile_nothing(stories_gguf, tmp_path):
+    from turbospark_wsgi.engine.kernels import native
+    if native.compiler() is None:
+        pytest.skip("no C compiler")
+    first, second = _start(stories_gguf, tmp_path, "native"), _start(stories_gguf, tmp_path, "native")
+    a, b = _result(first), _result(second)
+    assert a["native"] and b["native"], (a, b)
+    assert sorted([a["built"], b["built"]]) == [False, True], (a, b)        # one built, one loaded it
+    assert a["misses"] == 0 and b["misses"] == 0                            # and numba compiled nothing
+    again = _result(_start(stories_gguf, tmp_path, "native"))
+    assert again["native"] and not again["built"] and again["misses"] == 0
 
 
 def test_a_new_cache_is_not_taken_for_warm(tmp_path, monkeypatch):

@@ -11,12 +11,13 @@ ATTN_BLOCK = 128   # prefill attention blocks: positions [k*128, (k+1)*128) see 
 
 class Attention:
     """Attention of pre-scaled query heads over keys/values `[n, G, D]`; query head h reads KV head
-    h // (H // G). `kernel`: every row runs on kernels/attention.py's `attend` (numba), which computes
+    h // (H // G). `kernel`: every row runs on kernels/attention.py's `attend` (the C kernels `native`
+    where given, else numba's), which computes
     each row on its own; otherwise prompts run blockwise (`blocked`) and decode rows one by one
     (`row`) in `xp`. The causal masks are made once per shape and kept."""
 
-    def __init__(self, xp, kernel):
-        self.xp, self.kernel = xp, kernel
+    def __init__(self, xp, kernel, native=None):
+        self.xp, self.kernel, self.native = xp, kernel, native      # native: the C kernels (or None)
         self._masks = {}
 
     @staticmethod
@@ -28,13 +29,13 @@ class Attention:
     def prompt(self, q, keys, vals, pos, window):
         """Prompt rows q `[T, H, D]` at positions pos.. -> `[T, H*D]` (keys: at least `span(pos+T)`)."""
         if self.kernel:
-            return kernels_attention.attend(q, keys, vals, pos, window)
+            return kernels_attention.attend(q, keys, vals, pos, window, self.native)
         return self.blocked(q, keys, vals, pos, window)
 
     def decode(self, q, keys, vals, pos, window):
         """One decode row q `[1, H, D]` at position pos over keys `[pos+1, G, D]` -> `[1, H*D]`."""
         if self.kernel:
-            return kernels_attention.attend(q, keys, vals, pos, window)
+            return kernels_attention.attend(q, keys, vals, pos, window, self.native)
         return self.row(q, keys, vals, pos, window)
 
     def row(self, q, keys, vals, pos, window=0):

@@ -66,10 +66,11 @@ def _load(path, options):
         kernels_cpu.limit_blas_threads(1)
     else:
         model = Transformer(cfg, load_weights(cfg, source, kind, backend.xp), backend.xp, plan)
-    if model.fused_attention:
-        # NOTE(cold-start): the kernels compile (or load from numba's cache) here, so a server says
-        # it is ready only once its first request runs at full speed; once per machine, the float
-        # kernels in a second process (kernels/warm.py)
+    if model.fused_attention and getattr(model, "native", None) is None:
+        # NOTE(cold-start): the numba kernels compile (or load from numba's cache) here, so a server
+        # says it is ready only once its first request runs at full speed; once per machine, the
+        # float kernels in a second process (kernels/warm.py). The C kernels (plan.native) were
+        # built with the plan and need nothing more.
         with warm.compiling(plan.isa):
             kernels_cpu.warmup(plan.isa, groups=("int8",))
             if model.fused:

@@ -23,11 +23,12 @@ class Transformer:
         self.cfg, self.w, self.xp = cfg, weights, xp
         self.plan = plan or kernel_plan(EngineOptions())       # the CPU kernels this model runs
         self.rotary = RotaryTables(cfg, weights.rope_freqs, xp)
-        self.attention = Attention(xp, kernel=self.fused_attention)
+        self.attention = Attention(xp, kernel=self.fused_attention, native=self.native)
         self._layer_window = [cfg.layer_window(i) for i in range(cfg.n_layer)]   # 0: global attention
         self.layers = DecoderLayers(cfg, weights, xp)        # the step-by-step path
         self._rows_exact = None
         self._layer_args = None     # kernels_layer.layer_args of every layer, built on first use; False: none
+        self._native_layers = None  # their C views (native.Library.layer_weights), built on first use
 
     @property
     def fused(self):
@@ -40,6 +41,11 @@ class Transformer:
             args = [kernels_layer.layer_args(self.cfg, lw) for lw in self.w.layers]
             self._layer_args = False if None in args else args
         return self._layer_args is not False
+
+    @property
+    def native(self):
+        """The C kernels (kernels/native.py) this model's CPU kernels run on, or None (numba's)."""
+        return self.plan.native if self.xp is np else None
 
     @property
     def fused_attention(self):
@@ -179,6 +185,16 @@ class Transformer:
         kv, elem = kernels_layer.addresses(caches)
         ropes = self.rotary.layers(int(at.max()) + 1)
         self.w.layers[0].wqkv.use_threads(len(x))
+        lib = self.native
+        if lib is not None:
+            if self._native_layers is None:
+                self._native_layers = [lib.layer_weights(args, self.cfg.dim) for args in self._layer_args]
+            half, threads = elem.dtype == np.uint16, kernels_cpu.thread_count()
+            for i, lw in enumerate(self._native_layers):
+                yielding.point()                                        # NOTE(front-door): see yielding.py
+                cos, sin = ropes[i]
+                lib.layer(lw, x, seq, at, kv, half, i, self._layer_window[i], cos, sin, threads)
+            return x
         layer = kernels_layer.LAYER[self.plan.isa]
         for i, args in enumerate(self._layer_args):
             yielding.point()                                            # NOTE(front-door): see yielding.py
@@ -188,6 +204,8 @@ class Transformer:
     def warm_layers(self):
         """Compiles (or loads from numba's cache) the fused layer kernel: one token through the
         first layer into a scratch cache, outside any forward pass (so no yielding gate is asked)."""
+        if self.native is not None:
+            return                  # the C kernels were built with the plan: nothing compiles here
         one, cache = np.zeros(1, np.int64), self.new_cache(1)
         kernels_layer.LAYER[self.plan.isa](self._embed(one), one, one, *kernels_layer.addresses([cache]), 0, self._layer_window[0],
                             *self.rotary.layers(1)[0], *self._layer_args[0])

@@ -11,6 +11,7 @@ ACTIVATIONS = ("auto", "int8", "float32")
 INT8_PATHS = ("auto", "vnni512", "avxvnni", "avx2", "neon", "generic")   # isa.PATHS
 SPECULATIVE = ("auto", "on", "off")
 KV_CACHE = ("auto", "f16", "f32")
+KERNELS = ("auto", "native", "numba")
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +36,9 @@ class EngineOptions:
     # the KV cache's numbers: f16 (half floats), f32; auto: f16 where layers are fused (the kernel reads
     # half floats there: kernels/attention.py, NOTE(kv-half)), else f32
     kv_cache: str = "auto"
+    # the CPU kernels' code: native (C, built by the machine's compiler in about a second: kernels/native.py),
+    # numba (compiled at a machine's first load, ~20 s); auto: native where it builds, else numba
+    kernels: str = "auto"
     # speculative decoding (speculative.py): auto, where proposals pay; on: whenever there are some; off
     speculative: str = "auto"
     speculative_tokens: int = 8     # tokens proposed per sequence and step, at most
@@ -49,6 +53,8 @@ class EngineOptions:
             raise ValueError(f"int8_isa must be one of {', '.join(INT8_PATHS)}, not {self.int8_isa!r}")
         if self.kv_cache not in KV_CACHE:
             raise ValueError(f"kv_cache must be auto, f16 or f32, not {self.kv_cache!r}")
+        if self.kernels not in KERNELS:
+            raise ValueError(f"kernels must be auto, native or numba, not {self.kernels!r}")
         if self.speculative not in SPECULATIVE:
             raise ValueError(f"speculative must be auto, on or off, not {self.speculative!r}")
         if self.speculative_tokens < 0:
@@ -66,13 +72,16 @@ def resolve(options, overrides):
 class KernelPlan:
     """The CPU kernels one model runs: `activations` "int8" or "float32", `isa` the int8 dots'
     instruction path (isa.PATHS), `fused` each layer one kernel call (int8 only), and why;
-    `kv_half`: the KV cache holds half floats where layers are fused (f32 elsewhere)."""
+    `kv_half`: the KV cache holds half floats where layers are fused (f32 elsewhere); `native`: the
+    C kernels' Library (kernels/native.py) that runs them, or None for numba's, and `code` why."""
 
     activations: str
     isa: str
     fused: bool
     reason: str
     kv_half: bool = True
+    native: object = None
+    code: str = "numba kernels"
 
     def describe(self):
         """One line for the startup log and `turbospark models`."""
@@ -80,7 +89,7 @@ class KernelPlan:
         layers = "fused layers" if fused else "step by step"
         dots = f", integer dots: {self.isa}" if self.activations == "int8" else ""
         kv = "f16" if fused and self.kv_half else "f32"
-        return f"{self.activations} activations{dots}, {layers}, {kv} KV cache ({self.reason})"
+        return f"{self.activations} activations{dots}, {layers}, {kv} KV cache, {self.code} ({self.reason})"
 
 
 def kernel_plan(options):
@@ -102,7 +111,25 @@ def kernel_plan(options):
         why = f"{act} requested" + (f"; {choice.reason}" if act == "int8" else "")
     if act == "int8" and not kernels_q8.AVAILABLE:
         act, why = "float32", "int8 requested but numba is absent"
-    return KernelPlan(act, choice.path, bool(options.fused_layers), why, options.kv_cache != "f32")
+    lib, code = native_kernels(options.kernels, choice.path)
+    return KernelPlan(act, choice.path, bool(options.fused_layers), why, options.kv_cache != "f32", lib, code)
+
+
+def native_kernels(want, path):
+    """(Library or None, words) for TURBOSPARK_KERNELS `want` on instruction path `path`: the C
+    kernels where asked for (auto or native) and they build here, else numba's, saying why."""
+    if want == "numba" or not _numba_present():
+        return None, "numba kernels" + (" (requested)" if want == "numba" else "")
+    from .kernels import native
+    try:
+        return native.load(path), "C kernels"
+    except native.NativeUnavailable as e:
+        return None, f"numba kernels: {e}"
+
+
+def _numba_present():
+    from .kernels import int8 as kernels_q8
+    return kernels_q8.AVAILABLE
 
 
 def apply(options):

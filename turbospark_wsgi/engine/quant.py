@@ -57,6 +57,7 @@ class QWeight:
     d: np.ndarray    # float32 [T, nd, tile]
     m: object        # float32 [T, k/32, tile] or None
     qv: object = None   # the int8-activation kernels' layout, built on first use (kernels_q8.prepare)
+    cw: object = None   # the C kernels' views of it (kernels/native.py), built on first use
 
     @property
     def tile(self):

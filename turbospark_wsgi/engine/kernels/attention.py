@@ -350,17 +350,23 @@ if AVAILABLE:
             _gather(q, seq, pos, kv, elem, li, window, H, G, D, blocks, first, po, pm, pt, out)
 
 
-def attend(q, keys, vals, pos, window=0):
+def attend(q, keys, vals, pos, window=0, lib=None):
     """Causal attention of rows q `[T, H, D]` (pre-scaled) at positions pos.. over keys/values
     `[n, G, D]` (n >= pos + T; query head h reads KV head h // (H/G)) -> `[T, H*D]` float32.
     With a sliding `window` the row at position p reads only keys max(0, p - window + 1)..p.
-    A row gets the same bits as in `attend_rows` (see NOTE(exact-prefix) above)."""
+    A row gets the same bits as in `attend_rows` (see NOTE(exact-prefix) above); on the C kernels
+    `lib` (native.Library) where given, as its `attend_rows`."""
     T, H, D = q.shape
     G = keys.shape[1]
     keys = np.ascontiguousarray(keys, dtype=np.float32)
     vals = np.ascontiguousarray(vals, dtype=np.float32)
     kv = np.array([[keys.ctypes.data, vals.ctypes.data, keys.shape[0]]], np.int64)
     out = np.empty((T, H * D), np.float32)
-    attend_rows(np.ascontiguousarray(q, dtype=np.float32).reshape(T, H * D), np.zeros(T, np.int64),
-                np.arange(pos, pos + T, dtype=np.int64), kv, element(np.float32), 0, int(window), H, G, D, out)
+    rows = np.ascontiguousarray(q, dtype=np.float32).reshape(T, H * D)
+    seq, at = np.zeros(T, np.int64), np.arange(pos, pos + T, dtype=np.int64)
+    if lib is not None:
+        from .cpu import thread_count
+        lib.attend_rows(rows, seq, at, kv, False, 0, int(window), H, G, D, out, thread_count())
+    else:
+        attend_rows(rows, seq, at, kv, element(np.float32), 0, int(window), H, G, D, out)
     return out

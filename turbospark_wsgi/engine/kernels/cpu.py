@@ -10,6 +10,7 @@ summation order. With int8 activations (the model's KernelPlan) every product of
 integer kernels of int8.py instead.
 """
 import contextlib
+import os
 import threading
 
 import numpy as np
@@ -182,6 +183,7 @@ class QLinear:
         # the model's KernelPlan: activations and the int8 dots' instruction path
         self.activations = plan.activations if plan else "int8"
         self.isa = plan.isa if plan else int8.DEFAULT.path
+        self.lib = plan.native if plan else None        # the C kernels (native.py), or None: numba's
         self.shape = (w.k, w.n)   # the float32 matrix it replaces is (in, out)
         if self.activations == "int8" and int8.AVAILABLE:
             # the int8 kernels' layout, built at load rather than by a first request (~1 s for SmolLM2)
@@ -219,9 +221,9 @@ class QLinear:
             # what qmatmul would do with a few Python steps less for each of a token's ~120 products
             x, y = np.ascontiguousarray(x), np.empty((x.shape[0], p.n), np.float32)
             self.use_threads(x.shape[0])
-            int8.matmul(x, p, y, self.isa)
+            int8.matmul(x, p, y, self.isa, self.lib)
         else:
-            y = qmatmul(x, self.w, threads=self.threads, path=path, activations=activations, isa=self.isa)
+            y = qmatmul(x, self.w, threads=self.threads, path=path, activations=activations, isa=self.isa, lib=self.lib)
         return y.reshape(*lead, self.w.n)
 
 
@@ -235,12 +237,13 @@ class QEmbedding:
         return quant.embed_rows(self.w, ids)
 
 
-def qmatmul(x, w, out=None, threads=None, path="auto", activations=None, isa=None):
+def qmatmul(x, w, out=None, threads=None, path="auto", activations=None, isa=None, lib=None):
     """y = x @ W.T for x float32 [B, k] and a quant.QMatrix W [n, k] -> float32 [B, n].
     `threads` caps the numba threads for this call (default: NUMBA_NUM_THREADS / all cores);
     `path` forces "gemv" (fused kernel) or "blas" (dequantize slabs + GEMM); `activations`
     ("int8" or "float32", default ACTIVATIONS or int8) picks the kernels of every path but "blas",
-    `isa` the int8 dots' instruction path (isa.PATHS; default int8.DEFAULT's)."""
+    `isa` the int8 dots' instruction path (isa.PATHS; default int8.DEFAULT's), `lib` the C kernels
+    (native.Library) that run them instead of numba's."""
     x = np.ascontiguousarray(x, dtype=np.float32)
     if x.ndim != 2 or x.shape[1] != w.k:
         raise ValueError(f"activation shape {x.shape} does not match weight {w.shape}")
@@ -254,9 +257,9 @@ def qmatmul(x, w, out=None, threads=None, path="auto", activations=None, isa=Non
     for p in w.parts:
         part = y[:, start:start + p.n]
         if use_gemv or integer:
-            _gemv(x, p, part, integer, isa)
+            _gemv(x, p, part, integer, isa, lib)
         else:
-            _blas(x, p, part)
+            _blas(x, p, part, lib)
         start += p.n
     return y
 
@@ -267,11 +270,13 @@ def _threads_for(rows, w, threads):
     return threads
 
 
-def _gemv(x, p, y, integer=False, isa=None):
+def _gemv(x, p, y, integer=False, isa=None, lib=None):
     direct = p.qs.shape[0] * p.tile == p.n and y.flags.c_contiguous
     buf = y if direct else np.empty((x.shape[0], p.qs.shape[0] * p.tile), np.float32)
     if integer and int8.fits(p):
-        int8.matmul(x, p, buf, isa)
+        int8.matmul(x, p, buf, isa, lib)
+    elif lib is not None:
+        lib.product_f32(x, p, buf, thread_count())
     # NOTE(exact-batching): a sequence must get the same numbers alone or in a batch, and a prompt
     # position the same in a prefill of any cut or a decode step, so each layout has kernels whose
     # rows do not depend on B. q4 always takes the tile kernel (each block unpacked once into a
@@ -287,14 +292,16 @@ def _gemv(x, p, y, integer=False, isa=None):
         y[...] = buf[:, :p.n]
 
 
-def _blas(x, p, y):
+def _blas(x, p, y, lib=None):
     T, R = p.qs.shape[0], p.tile
     per = max(1, SLAB_ROWS // R)                                   # tiles per slab
     slab = np.empty((p.k, min(T, per) * R), np.float32)            # W.T for the slab's rows
     for t0 in range(0, T, per):
         cols = min(per, T - t0) * R
         wt = slab if cols == slab.shape[1] else np.empty((p.k, cols), np.float32)
-        if p.kind == "q4":
+        if lib is not None:
+            lib.dequant_t(p, t0, wt, thread_count())
+        elif p.kind == "q4":
             _q4_dequant_t(p.qs, p.d, p.m, t0, wt)
         else:
             _q8_dequant_t(p.qs, p.d, t0, wt)
@@ -315,6 +322,15 @@ def limit_blas_threads(n=1):
 
 
 _local = threading.local()
+
+
+def thread_count():
+    """The threads the calling thread's next kernels may use (what `_use_threads` last set; the C
+    kernels take it as an argument)."""
+    n = getattr(_local, "threads", None)
+    if n is None:
+        n = numba.config.NUMBA_NUM_THREADS if AVAILABLE else (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+    return n
 
 
 def _use_threads(n):

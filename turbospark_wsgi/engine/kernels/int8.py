@@ -215,9 +215,14 @@ def quantize(x):
     return q, d, xs, qsum
 
 
-def matmul(x, p, y, path=None):
+def matmul(x, p, y, path=None, lib=None):
     """y [B, T*R] = x (float32 [B, K], C-contiguous) times QWeight p, with x's rows quantized to int8,
-    the integer dots on instruction path `path` (an isa.PATHS name; default DEFAULT's)."""
+    the integer dots on instruction path `path` (an isa.PATHS name; default DEFAULT's), on the C
+    kernels `lib` (native.Library: its own path) where given."""
+    if lib is not None:
+        from .cpu import thread_count
+        lib.product_i8(x, p, y, thread_count())
+        return
     PRODUCT[path or DEFAULT.path](x, prepare(p), p.d, NO_MINS if p.m is None else p.m, y)
 
 

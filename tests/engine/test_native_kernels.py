@@ -1,0 +1,269 @@
+"""The C kernels (kernels/native.c, built by native.py): every instruction path this CPU runs gives the
+integer products of the numpy reference exactly and the same bits as every other path, the float
+steps follow the numba kernels, a model runs on them bit-exactly across paths, and where they cannot
+be built the plan falls back to numba's, saying why."""
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from turbospark_wsgi.engine.kernels import attention as kernels_attention, cpu as kernels_cpu, int8 as kernels_q8, \
+    isa, layer as kernels_layer, native
+from turbospark_wsgi.engine.options import EngineOptions, kernel_plan
+
+pytest.importorskip("gguf")
+from test_quant_kernels import close, make  # noqa: E402
+
+pytestmark = pytest.mark.skipif(native.compiler() is None or not kernels_cpu.AVAILABLE,
+                                reason="no C compiler, or numba is absent")
+# the paths this machine runs, on this architecture's C build
+PATHS = [p for p in isa.runnable(isa.host_features()) if p != "neon" or os.uname().machine in ("aarch64", "arm64")]
+
+
+@pytest.fixture(scope="module")
+def libs():
+    return {p: native.load(p) for p in PATHS}
+
+
+def reference_dots(w, q):
+    """The integer dots of every unit of QWeight w with int8 rows q, in numpy: [B, T, nu, R]."""
+    from turbospark_wsgi.engine import quant
+    p = w.parts[0]
+    b = quant.untile(p)
+    n, k = b.q.shape[0], q.shape[1]
+    if p.kind == "q4":
+        v = np.concatenate([b.q & 15, b.q >> 4], axis=-1).astype(np.int64).reshape(n, k)
+        per = 32
+    else:
+        v = b.q.astype(np.int64).reshape(n, k)
+        per = k // p.d.shape[1]
+    dots = np.einsum("bup,nup->bnu", q.astype(np.int64).reshape(len(q), k // per, per), v.reshape(n, k // per, per))
+    T, R = p.qs.shape[0], p.tile
+    padded = np.zeros((len(q), T * R, k // per), np.int64)
+    padded[:, :n] = dots
+    return padded.reshape(len(q), T, R, k // per).transpose(0, 1, 3, 2)
+
+
+def extreme_rows(k, rng):
+    x = rng.standard_normal((5, k)).astype(np.float32)
+    x[1], x[2] = 3.0, -3.0                      # q_a = +-127 in every byte: where vpmaddubsw would saturate
+    x[3, ::2] = -5.0
+    return x
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0", "Q6_K", "Q4_K"])
+def test_every_path_gives_the_integer_products_exactly(libs, qtype, path):
+    w, ref = make(qtype, 64, 8)
+    x = extreme_rows(ref.shape[1], np.random.default_rng(11))
+    lib = libs[path]
+    q, d, xs, qsum = lib.quantize_rows(x)
+    qn = kernels_q8.quantize_rows_ref(x)[0]
+    assert np.array_equal(q, qn)                                     # rint, ties to even, as numpy
+    assert np.array_equal(lib.unit_dots(w.parts[0], q, qsum), reference_dots(w, q))
+    y = np.empty((len(x), w.parts[0].qs.shape[0] * w.parts[0].tile), np.float32)
+    lib.product_i8(x, w.parts[0], y, 2)
+    close(y[:, :w.n], kernels_q8.matmul_ref(x, w))
+    first = libs[PATHS[0]]
+    y0 = np.empty_like(y)
+    first.product_i8(x, w.parts[0], y0, 1)
+    assert np.array_equal(y, y0)                                     # every path, any threads: the same bits
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_q8_weights_at_minus_128_do_not_saturate(libs, path):
+    from gguf import GGMLQuantizationType as GT
+    from turbospark_wsgi.engine import quant
+    n, k = 32, 64
+    raw = np.zeros((n, k // 32, 34), np.uint8)
+    raw[..., :2] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
+    raw[..., 2:] = 0x80
+    raw[::2, :, 2::3] = 0x7F
+    w = quant.pack(quant.decode(raw.reshape(n, -1), GT.Q8_0.value, (n, k)), tile=32)
+    x = np.where(np.arange(k) % 5 == 0, -1.0, 1.0).astype(np.float32)[None].repeat(3, 0)
+    x[2] *= -1
+    q, _, _, qsum = libs[path].quantize_rows(x)
+    assert np.array_equal(libs[path].unit_dots(w.parts[0], q, qsum), reference_dots(w, q))
+
+
+@pytest.mark.parametrize("tile", [16, 48, 64, 128])
+def test_every_tile_width_gives_the_same_rows(libs, tile):
+    """Tiles of 1..8 accumulators (and 3, cut 2 + 1) compute each output row alike."""
+    w, ref = make("Q4_1", 96, 8, tile=tile)
+    wide, _ = make("Q4_1", 96, 8, tile=32)
+    x = np.random.default_rng(2).standard_normal((3, ref.shape[1])).astype(np.float32)
+    lib = libs[PATHS[0]]
+    out = []
+    for m in (w, wide):
+        y = np.empty((3, m.parts[0].qs.shape[0] * m.parts[0].tile), np.float32)
+        lib.product_i8(x, m.parts[0], y, 2)
+        out.append(y[:, :96])
+    assert np.array_equal(*out)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0", "Q6_K"])
+def test_float_products_and_dequantizers_follow_the_reference(libs, qtype):
+    w, ref = make(qtype, 70, 8)
+    p, lib = w.parts[0], libs[PATHS[0]]
+    x = np.random.default_rng(3).standard_normal((4, ref.shape[1])).astype(np.float32)
+    y = np.empty((4, p.qs.shape[0] * p.tile), np.float32)
+    lib.product_f32(x, p, y, 2)
+    close(y[:, :70], x @ ref.T)
+    wt = np.empty((ref.shape[1], p.qs.shape[0] * p.tile), np.float32)
+    lib.dequant_t(p, 0, wt, 2)
+    np.testing.assert_allclose(wt[:, :70], ref.T, rtol=1e-6, atol=1e-7)
+    big = np.random.default_rng(4).standard_normal((kernels_cpu.GEMV_MAX_B + 3, ref.shape[1])).astype(np.float32)
+    close(kernels_cpu.qmatmul(big, w, activations="float32", lib=lib), big @ ref.T)     # the BLAS path's slabs
+
+
+def test_half_floats_round_as_numpy_on_every_path(libs):
+    """The K/V store: ties to even, subnormals, and values past the half range clamped (never inf)."""
+    rng = np.random.default_rng(5)
+    x = np.concatenate([rng.standard_normal(4000) * 10.0 ** rng.integers(-9, 6, 4000),
+                        [65504.0, 65520.0, 1e9, -1e9, 2.0 ** -24, 2.0 ** -25, 3 * 2.0 ** -26, 0.0, -0.0, 1 + 2.0 ** -11]])
+    x = x.astype(np.float32)
+    want = np.clip(x, -65504, 65504).astype(np.float16).view(np.uint16)
+    for path, lib in libs.items():
+        got = lib.to_half(x)
+        assert np.array_equal(got, want), path
+        assert np.array_equal(lib.from_half(got), want.view(np.float16).astype(np.float32)), path
+
+
+def _attention_case(rng, depth, R, half):
+    H, G, D = 6, 2, 40                           # D = 40: whole lanes of 16 and a tail
+    k = rng.standard_normal((depth + R, G, D)).astype(np.float32)
+    v = rng.standard_normal((depth + R, G, D)).astype(np.float32)
+    dtype = np.float16 if half else np.float32
+    keys, vals = k.astype(dtype)[None], v.astype(dtype)[None]                 # [1 layer, capacity, G, D]
+    kv = np.array([[keys.ctypes.data, vals.ctypes.data, depth + R]], np.int64)
+    q = (rng.standard_normal((R, (H + 2 * G) * D)) * 0.3).astype(np.float32)
+    seq, pos = np.zeros(R, np.int64), np.arange(depth, depth + R, dtype=np.int64)
+    return (keys, vals), q, seq, pos, kv, H, G, D
+
+
+@pytest.mark.parametrize("depth, R, window", [(0, 5, 0), (600, 1, 0), (300, 9, 0), (700, 3, 100)])
+@pytest.mark.parametrize("half", [False, True])
+def test_attention_follows_the_numba_kernel(libs, depth, R, window, half):
+    keep, q, seq, pos, kv, H, G, D = _attention_case(np.random.default_rng(depth + R), depth, R, half)
+    outs = {}
+    for path, lib in libs.items():
+        outs[path] = np.empty((R, H * D), np.float32)
+        lib.attend_rows(q, seq, pos, kv, half, 0, window, H, G, D, outs[path], 2)
+    want = np.empty((R, H * D), np.float32)
+    elem = kernels_attention.element(np.float16 if half else np.float32)
+    kernels_attention.attend_rows(np.ascontiguousarray(q), seq, pos, kv, elem, 0, window, H, G, D, want)
+    first = outs[PATHS[0]]
+    np.testing.assert_allclose(first, want, rtol=2e-5, atol=2e-6)
+    assert all(np.array_equal(o, first) for o in outs.values())
+
+
+def test_a_row_of_attention_does_not_depend_on_the_rows_beside_it(libs):
+    keep, q, seq, pos, kv, H, G, D = _attention_case(np.random.default_rng(0), 500, 9, True)
+    lib = libs[PATHS[0]]
+    together = np.empty((9, H * D), np.float32)
+    lib.attend_rows(q, seq, pos, kv, True, 0, 0, H, G, D, together, 2)
+    for r in (0, 4, 8):
+        alone = np.empty((1, H * D), np.float32)
+        lib.attend_rows(np.ascontiguousarray(q[r:r + 1]), seq[r:r + 1], pos[r:r + 1], kv, True, 0, 0, H, G, D, alone, 1)
+        assert np.array_equal(alone[0], together[r])
+
+
+def _model(gguf_path, path, kernels="native", **kw):
+    from turbospark_wsgi.engine.loader import load_model
+    return load_model(gguf_path, device="cpu", kernels=kernels, int8_isa=path, activations="int8", **kw).model
+
+
+def _logits(model, prompt=(1, 5, 9, 2, 7, 3, 11, 4), steps=(6, 8, 10)):
+    cache = model.new_cache(64)
+    out = [model.forward(list(prompt), cache, logits="all")]
+    out += [model.decode_batch([t], [cache]) for t in steps]
+    return np.concatenate(out)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
+def test_a_model_gets_the_same_bits_on_every_path_and_follows_numba(tiny_gguf, qtype):
+    path = tiny_gguf(qtype=qtype).path
+    runs = {p: _logits(_model(path, p)) for p in PATHS}
+    first = runs[PATHS[0]]
+    assert all(np.array_equal(r, first) for r in runs.values()), [p for p, r in runs.items() if not np.array_equal(r, first)]
+    numba_run = _logits(_model(path, PATHS[0], kernels="numba"))
+    assert np.argmax(first, -1).tolist() == np.argmax(numba_run, -1).tolist()
+    np.testing.assert_allclose(first, numba_run, atol=0.02 * np.abs(numba_run).max())
+
+
+def test_gemma_features_run_on_the_c_layer(tmp_path):
+    """Post norms, q/k norms, the GELU gate and local windows: the C layer follows the numba one."""
+    from test_families import family_gguf
+    path, _, _ = family_gguf(tmp_path, "gemma3", "Q8_0")
+    c, n = _logits(_model(path, PATHS[0])), _logits(_model(path, PATHS[0], kernels="numba"))
+    assert np.argmax(c, -1).tolist() == np.argmax(n, -1).tolist()
+    np.testing.assert_allclose(c, n, atol=0.02 * np.abs(n).max())
+
+
+def test_the_plan_names_the_c_kernels_and_falls_back_to_numba(tmp_path, monkeypatch):
+    plan = kernel_plan(EngineOptions())
+    assert plan.native is not None and "C kernels" in plan.describe()
+    assert kernel_plan(EngineOptions(kernels="numba")).native is None
+    assert "numba kernels (requested)" in kernel_plan(EngineOptions(kernels="numba")).describe()
+    monkeypatch.setattr(native, "_LOADED", {})
+    monkeypatch.setattr(native, "compiler", lambda: None)
+    plan = kernel_plan(EngineOptions())
+    assert plan.native is None and "no C compiler" in plan.describe()
+
+
+def test_a_source_that_does_not_compile_falls_back_saying_why(tmp_path, monkeypatch):
+    bad = tmp_path / "native.c"
+    bad.write_text("int ts_abi(void) { return 1 }\n")
+    monkeypatch.setattr(native, "SOURCE", str(bad))
+    monkeypatch.setattr(native, "_LOADED", {})
+    lib, words = __import__("turbospark_wsgi.engine.options", fromlist=["x"]).native_kernels("auto", PATHS[0])
+    assert lib is None and "did not compile" in words
+    with pytest.raises(ValueError, match="kernels must be auto, native or numba"):
+        EngineOptions(kernels="fortran")
+
+
+def test_a_build_is_kept_and_found_again(tmp_path):
+    file, built = native.build(PATHS[0], str(tmp_path))
+    assert built and os.path.exists(file)
+    again, built_again = native.build(PATHS[0], str(tmp_path))
+    assert again == file and not built_again
+    assert native.Library(PATHS[0], file).path == PATHS[0]
+
+
+def _cross_compiler():
+    try:
+        import ziglang  # noqa: F401
+    except ImportError:
+        return None
+    return [sys.executable, "-m", "ziglang", "cc"]
+
+
+def test_the_aarch64_kernels_compile_to_sdot(tmp_path):
+    """The NEON path cannot run here; it is compiled for aarch64 (zig's clang) and must use sdot."""
+    cc = _cross_compiler() if os.uname().machine not in ("aarch64", "arm64") else [native.compiler()]
+    if cc is None:
+        pytest.skip("no aarch64 C compiler (pip install ziglang)")
+    out = tmp_path / "neon.s"
+    target = ["-target", "aarch64-linux-gnu", "-mcpu=generic+dotprod"] if len(cc) > 1 else list(native.FLAGS["neon"])
+    done = subprocess.run([*cc, *target, "-O2", "-std=gnu11", "-ffp-contract=off", "-Wno-unknown-pragmas",
+                           f"-DTS_PATH={isa.IDS['neon']}", "-S", native.SOURCE, "-o", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    text = out.read_text(errors="replace")
+    assert "sdot" in text and "fmla" not in text and "fmadd" not in text    # no contracted float steps
+
+
+def test_the_x86_paths_compile_to_their_instructions(tmp_path):
+    if os.uname().machine != "x86_64" or shutil.which("objdump") is None:
+        pytest.skip("x86-64 with objdump only")
+    want = {"vnni512": "vpdpbusd", "avx2": "vpmaddubsw", "avxvnni": "vpdpbusd"}
+    for path, mnemonic in want.items():
+        out = tmp_path / f"{path}.so"
+        done = subprocess.run(native.command(native.compiler(), path, str(out)), capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr[-2000:]
+        dis = subprocess.run(["objdump", "-d", str(out)], capture_output=True, text=True).stdout
+        assert mnemonic in dis, path
+        assert "vfmadd" not in dis, path

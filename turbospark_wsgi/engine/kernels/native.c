@@ -1,0 +1,973 @@
+/* The CPU kernels in C, compiled ahead of the first request by the machine's C compiler (native.py
+ * builds one shared library per instruction path and loads it with ctypes): the same computations
+ * as the numba kernels beside this file (int8.py, attention.py, layer.py, cpu.py), without a
+ * compile step of many seconds at a model's first load.
+ *
+ * One source, built once per path with -DTS_PATH=<isa.IDS id> and that path's -m flags:
+ *   0 vnni512  vpdpbusd on 512-bit vectors          2 avx2     vpmaddubsw + vpmaddwd (vpsignb for q8)
+ *   1 avxvnni  vpdpbusd on 256-bit vectors          4 generic  plain C (any CPU; the compiler vectorises)
+ *   3 neon     sdot (aarch64 with dotprod)
+ * The integer dots are exact, and every float step runs in the written order (-ffp-contract=off, no
+ * fast-math; sums over a vector in 16 fixed lanes, then a fixed tree), so every path gives the same
+ * bits as every other.
+ *
+ * NOTE(exact-batching), NOTE(exact-prefix): as in the numba kernels, every row is computed on its
+ * own by the same code whatever rows stand beside it, attention's key chunks are fixed by absolute
+ * position and merged in chunk order, so batching, prefix reuse and how a prompt was cut never
+ * change a row's bits.
+ *
+ * Threads: OpenMP, `nthreads` per call (the caller's choice, as numba's set_num_threads).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+#if defined(__aarch64__)
+#include <arm_neon.h>
+#endif
+
+#ifndef TS_PATH
+#define TS_PATH 4
+#endif
+#define TS_ABI 1
+
+#define ROWS 8           /* attention: rows of one sequence in a block */
+#define CHUNK 256        /* attention: keys in a chunk (fixed by absolute position) */
+#define AHEAD 16         /* attention: keys ahead whose K/V lines are asked for */
+#define SPREAD_BELOW 32  /* attention: fewer (block, KV head) pairs: chunks computed in parallel */
+#define EMPTY (-3.0e38f) /* a partial's max where its chunk holds no key of the row */
+#define LANES 16
+
+typedef int64_t i64;
+
+int ts_path(void) { return TS_PATH; }
+int ts_abi(void) { return TS_ABI; }
+
+/* ---- small float helpers ------------------------------------------------------------------- */
+
+static inline float h2f(uint16_t h) {
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    uint32_t s = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu, bits;
+    float f;
+    if (e == 0) {
+        f = (float)m * 0x1p-24f;
+        return s ? -f : f;
+    }
+    bits = e == 31 ? s | 0x7f800000u | (m << 13) : s | ((e + 112u) << 23) | (m << 13);
+    memcpy(&f, &bits, 4);
+    return f;
+#endif
+}
+
+/* The bits of the half float nearest x (ties to even), x clamped to the half range first
+ * (NOTE(kv-half): no K/V element is ever inf). */
+static inline uint16_t f2h(float x) {
+    x = x < -65504.0f ? -65504.0f : x > 65504.0f ? 65504.0f : x;
+#if defined(__F16C__)
+    return (uint16_t)_cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT);
+#else
+    uint32_t b, s;
+    memcpy(&b, &x, 4);
+    s = (b >> 16) & 0x8000u;
+    b &= 0x7fffffffu;
+    if (b >= 0x38800000u) {                      /* a normal half */
+        uint32_t r = b - 0x38000000u;
+        r += 0xfffu + ((r >> 13) & 1u);
+        return (uint16_t)(s | (r >> 13));
+    }
+    float a;
+    memcpy(&a, &b, 4);
+    return (uint16_t)(s | (uint32_t)lrintf(a * 0x1p24f));   /* subnormal (or zero) */
+#endif
+}
+
+/* the K/V store's conversions, for tests: n values each way */
+void ts_to_half(const float *x, i64 n, uint16_t *out) {
+    for (i64 j = 0; j < n; j++) out[j] = f2h(x[j]);
+}
+void ts_from_half(const uint16_t *h, i64 n, float *out) {
+    for (i64 j = 0; j < n; j++) out[j] = h2f(h[j]);
+}
+
+/* 2**n for n in [-126, 127] */
+static inline float pow2i(int32_t n) {
+    uint32_t bits = (uint32_t)(n + 127) << 23;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* e^x (x clamped to [-87, 88]): x = n ln2 + r, e^r by Cephes' expf polynomial, times 2^n */
+static inline float ts_exp(float x) {
+    x = x < -87.0f ? -87.0f : x > 88.0f ? 88.0f : x;
+    float n = floorf(x * 1.44269504088896341f + 0.5f);
+    float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    return (p * r * r + r + 1.0f) * pow2i((int32_t)n);
+}
+
+/* ts_exp on 16 or 8 values at once: the same operations in the same order, so the same bits */
+#define TS_EXP_BODY(W, P, ROUND, CVT)                                                                         \
+    x = P##_min_ps(P##_max_ps(x, P##_set1_ps(-87.0f)), P##_set1_ps(88.0f));                                  \
+    W k = ROUND(P##_add_ps(P##_mul_ps(x, P##_set1_ps(1.44269504088896341f)), P##_set1_ps(0.5f)));             \
+    W r = P##_add_ps(P##_sub_ps(x, P##_mul_ps(k, P##_set1_ps(0.693359375f))),                                 \
+                     P##_mul_ps(k, P##_set1_ps(2.12194440e-4f)));                                             \
+    W p = P##_add_ps(P##_mul_ps(P##_set1_ps(1.9875691500e-4f), r), P##_set1_ps(1.3981999507e-3f));            \
+    p = P##_add_ps(P##_mul_ps(p, r), P##_set1_ps(8.3334519073e-3f));                                          \
+    p = P##_add_ps(P##_mul_ps(p, r), P##_set1_ps(4.1665795894e-2f));                                          \
+    p = P##_add_ps(P##_mul_ps(p, r), P##_set1_ps(1.6666665459e-1f));                                          \
+    p = P##_add_ps(P##_mul_ps(p, r), P##_set1_ps(5.0000001201e-1f));                                          \
+    W e = P##_add_ps(P##_add_ps(P##_mul_ps(P##_mul_ps(p, r), r), r), P##_set1_ps(1.0f));                      \
+    return P##_mul_ps(e, CVT(k));
+#if defined(__AVX512F__)
+#define FLOOR512(v) _mm512_roundscale_ps(v, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC)
+#define POW2_512(k) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(k), _mm512_set1_epi32(127)), 23))
+static inline __m512 exp512(__m512 x) { TS_EXP_BODY(__m512, _mm512, FLOOR512, POW2_512) }
+#endif
+#if defined(__AVX2__)
+#define POW2_256(k) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(k), _mm256_set1_epi32(127)), 23))
+static inline __m256 exp256(__m256 x) { TS_EXP_BODY(__m256, _mm256, _mm256_floor_ps, POW2_256) }
+#endif
+
+/* WIDE(M): M's loop on this build's widest float vectors (16 or 8 lanes), or nothing */
+#if defined(__AVX512F__)
+#define WIDE(M) M(16, __m512, _mm512, exp512)
+#elif defined(__AVX2__)
+#define WIDE(M) M(8, __m256, _mm256, exp256)
+#else
+#define WIDE(M)
+#endif
+
+/* s[j] = ts_exp(s[j] - m) for j < n */
+#define EXP_SHIFTED(N, W, P, EXP)                                                                              \
+    for (; j + N <= n; j += N) P##_storeu_ps(s + j, EXP(P##_sub_ps(P##_loadu_ps(s + j), P##_set1_ps(m))));
+static inline void exp_shifted(float *s, i64 n, float m) {
+    i64 j = 0;
+    WIDE(EXP_SHIFTED)
+    for (; j < n; j++) s[j] = ts_exp(s[j] - m);
+}
+
+/* o[j] = g[j] / (1 + ts_exp(-z)) * u[j] with z = g[j] (SiLU) or cg (g + 0.044715 g^3) (GELU, tanh form) */
+#define GATE(N, W, P, EXP)                                                                                       \
+    for (; j + N <= F; j += N) {                                                                                 \
+        W gv = P##_loadu_ps(g + j), z = gv;                                                                      \
+        if (gelu)                                                                                                \
+            z = P##_mul_ps(P##_set1_ps(cg),                                                                      \
+                           P##_add_ps(gv, P##_mul_ps(P##_mul_ps(P##_mul_ps(P##_set1_ps(0.044715f), gv), gv), gv))); \
+        W den = P##_add_ps(P##_set1_ps(1.0f), EXP(P##_sub_ps(P##_setzero_ps(), z)));                             \
+        P##_storeu_ps(o + j, P##_mul_ps(P##_div_ps(gv, den), P##_loadu_ps(u + j)));                              \
+    }
+static inline void gate_row(const float *g, const float *u, float *o, i64 F, int gelu, float cg) {
+    i64 j = 0;
+    WIDE(GATE)
+    for (; j < F; j++) {
+        const float z = gelu ? cg * (g[j] + 0.044715f * g[j] * g[j] * g[j]) : g[j];
+        o[j] = g[j] / (1.0f + ts_exp(-z)) * u[j];
+    }
+}
+
+/* the sum of 16 lanes in a fixed tree */
+static inline float lanes_total(const float *l) {
+    float a[8];
+    for (int k = 0; k < 8; k++) a[k] = l[k] + l[k + 8];
+    for (int k = 0; k < 4; k++) a[k] = a[k] + a[k + 4];
+    a[0] = a[0] + a[2];
+    a[1] = a[1] + a[3];
+    return a[0] + a[1];
+}
+
+/* lanes_total's tree on vectors: (l, l+8), then (l, l+4), (l, l+2), (l, l+1) */
+#if defined(__AVX2__)
+static inline float hsum128(__m128 a) {                       /* a = lanes 0..3 after two steps */
+    a = _mm_add_ps(a, _mm_movehl_ps(a, a));                    /* (0 + 2), (1 + 3) */
+    return _mm_cvtss_f32(_mm_add_ss(a, _mm_shuffle_ps(a, a, 1)));
+}
+static inline float hsum256x2(__m256 lo, __m256 hi) {
+    __m256 a = _mm256_add_ps(lo, hi);
+    return hsum128(_mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1)));
+}
+#endif
+#if defined(__AVX512F__)
+static inline float hsum512(__m512 v) {
+    return hsum256x2(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+}
+#endif
+
+static inline int threads_for(int nthreads, i64 work) {
+    if (nthreads < 1) nthreads = 1;
+    return work < nthreads ? (int)(work < 1 ? 1 : work) : nthreads;
+}
+
+/* ---- int8 activations (int8.py) ------------------------------------------------------------ */
+
+/* A quantized weight as the int8 kernels read it (int8.prepare): qv u8 [T, nu, R/16, quads, 16, 4],
+ * d and m (q4 mins, or NULL for q8) f32 [T, nu, R]; K inputs, T*R outputs. */
+typedef struct {
+    const uint8_t *qv;
+    const float *d;
+    const float *m;
+    i64 T, nu, R, K;
+} ts_weight;
+
+/* x [B, K] -> q [B, K] int8, d [B, K/32] (max|x| / 127 per block), xs [B, K/32] (d * sum(q)),
+ * qsum [B, K/16] (sum of q per half block). */
+void ts_quantize_rows(const float *x, i64 B, i64 K, int8_t *q, float *d, float *xs, int32_t *qsum, int nthreads) {
+    int nt = threads_for(nthreads, B / 4);
+#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
+    for (i64 i = 0; i < B; i++) {
+        for (i64 b = 0; b < K / 32; b++) {
+            const float *xb = x + i * K + b * 32;
+            int8_t *qb = q + i * K + b * 32;
+            float amax = 0.0f;
+            for (int j = 0; j < 32; j++) {
+                float a = fabsf(xb[j]);
+                amax = a > amax ? a : amax;
+            }
+            float db = amax / 127.0f;
+            float inv = db > 0.0f ? 1.0f / db : 0.0f;
+            int32_t s0 = 0, s1 = 0;
+            for (int j = 0; j < 16; j++) {
+                int32_t v = (int32_t)rintf(xb[j] * inv);
+                qb[j] = (int8_t)v;
+                s0 += v;
+            }
+            for (int j = 16; j < 32; j++) {
+                int32_t v = (int32_t)rintf(xb[j] * inv);
+                qb[j] = (int8_t)v;
+                s1 += v;
+            }
+            d[i * (K / 32) + b] = db;
+            xs[i * (K / 32) + b] = db * (float)(s0 + s1);
+            qsum[i * (K / 16) + 2 * b] = s0;
+            qsum[i * (K / 16) + 2 * b + 1] = s1;
+        }
+    }
+}
+
+/* The exact int32 dots of one weight unit with one row's activations `a`, for 16 output rows
+ * (`vi`): w holds `quads` groups of [16 rows, 4 bytes]; q4 (nib): low nibbles meet a[0:16], high
+ * a[16:32]; q8: bytes are q + 128 (the VNNI paths take 128 * qa_sum, the sum of a, off again).
+ * The result is the plain signed dots sum(q * q_a) on every path. `vf`: 16 floats, one per row. */
+#define ALWAYS static inline __attribute__((always_inline))
+#if TS_PATH == 0
+typedef __m512i vi;
+typedef __m512 vf;
+ALWAYS vi unit_dot(const uint8_t *w, const int8_t *a, int quads, int nib, int32_t qa_sum) {
+    vi acc = _mm512_set1_epi32(nib ? 0 : -128 * qa_sum);
+    const vi mask = _mm512_set1_epi8(0x0F);
+    for (int g = 0; g < quads; g++) {
+        vi v = _mm512_loadu_si512((const void *)(w + 64 * g));
+        int32_t a0, a1;
+        memcpy(&a0, a + 4 * g, 4);
+        if (nib) {
+            memcpy(&a1, a + 16 + 4 * g, 4);
+            acc = _mm512_dpbusd_epi32(acc, _mm512_and_si512(v, mask), _mm512_set1_epi32(a0));
+            acc = _mm512_dpbusd_epi32(acc, _mm512_and_si512(_mm512_srli_epi32(v, 4), mask), _mm512_set1_epi32(a1));
+        } else {
+            acc = _mm512_dpbusd_epi32(acc, v, _mm512_set1_epi32(a0));
+        }
+    }
+    return acc;
+}
+ALWAYS void vi_store(int32_t *out, vi v) { _mm512_storeu_si512((void *)out, v); }
+ALWAYS vf vf_zero(void) { return _mm512_setzero_ps(); }
+ALWAYS void vf_store(float *p, vf v) { _mm512_storeu_ps(p, v); }
+/* acc + (d * s) * dots (+ m * x where m) */
+ALWAYS vf vf_update(vf acc, const float *d, float s, vi dots, const float *m, float x) {
+    acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(d), _mm512_set1_ps(s)), _mm512_cvtepi32_ps(dots)));
+    return m ? _mm512_add_ps(acc, _mm512_mul_ps(_mm512_loadu_ps(m), _mm512_set1_ps(x))) : acc;
+}
+#elif TS_PATH == 1 || TS_PATH == 2
+typedef struct { __m256i h[2]; } vi;
+typedef struct { __m256 h[2]; } vf;
+#if TS_PATH == 1
+#if defined(__AVXVNNI__)
+#define DPBUSD256(acc, w, a) _mm256_dpbusd_avx_epi32(acc, w, a)
+#else
+#define DPBUSD256(acc, w, a) _mm256_dpbusd_epi32(acc, w, a)     /* the EVEX form (AVX512-VNNI + VL) */
+#endif
+#endif
+ALWAYS vi unit_dot(const uint8_t *w, const int8_t *a, int quads, int nib, int32_t qa_sum) {
+    const __m256i mask = _mm256_set1_epi8(0x0F);
+    vi out;
+#if TS_PATH == 1
+    out.h[0] = out.h[1] = _mm256_set1_epi32(nib ? 0 : -128 * qa_sum);
+    for (int g = 0; g < quads; g++) {
+        int32_t a0, a1;
+        memcpy(&a0, a + 4 * g, 4);
+        memcpy(&a1, a + 16 + 4 * g, 4);
+        for (int h = 0; h < 2; h++) {
+            __m256i v = _mm256_loadu_si256((const __m256i *)(w + 64 * g + 32 * h));
+            if (nib) {
+                out.h[h] = DPBUSD256(out.h[h], _mm256_and_si256(v, mask), _mm256_set1_epi32(a0));
+                out.h[h] = DPBUSD256(out.h[h], _mm256_and_si256(_mm256_srli_epi32(v, 4), mask), _mm256_set1_epi32(a1));
+            } else {
+                out.h[h] = DPBUSD256(out.h[h], v, _mm256_set1_epi32(a0));
+            }
+        }
+    }
+#else
+    /* q4: nibble (<= 15) x |a| (<= 127): a pair sums to <= 3810, so all 8 products of a unit add up
+     * in int16 before one vpmaddwd. q8: |q| (<= 128) takes its sign onto a (vpsignb): one pair
+     * reaches 2 * 128 * 127 = 32512 and is widened at once. */
+    const __m256i ones = _mm256_set1_epi16(1), bias = _mm256_set1_epi8((char)0x80);
+    (void)qa_sum;
+    for (int h = 0; h < 2; h++) {
+        __m256i acc = _mm256_setzero_si256(), s16 = _mm256_setzero_si256();
+        for (int g = 0; g < quads; g++) {
+            __m256i v = _mm256_loadu_si256((const __m256i *)(w + 64 * g + 32 * h));
+            int32_t a0, a1;
+            memcpy(&a0, a + 4 * g, 4);
+            if (nib) {
+                memcpy(&a1, a + 16 + 4 * g, 4);
+                s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(_mm256_and_si256(v, mask), _mm256_set1_epi32(a0)));
+                s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi32(v, 4), mask),
+                                                                 _mm256_set1_epi32(a1)));
+            } else {
+                __m256i q = _mm256_xor_si256(v, bias);
+                __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(_mm256_set1_epi32(a0), q));
+                acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, ones));
+            }
+        }
+        out.h[h] = nib ? _mm256_madd_epi16(s16, ones) : acc;
+    }
+#endif
+    return out;
+}
+ALWAYS void vi_store(int32_t *out, vi v) {
+    _mm256_storeu_si256((__m256i *)out, v.h[0]);
+    _mm256_storeu_si256((__m256i *)(out + 8), v.h[1]);
+}
+ALWAYS vf vf_zero(void) { vf z = {{_mm256_setzero_ps(), _mm256_setzero_ps()}}; return z; }
+ALWAYS void vf_store(float *p, vf v) {
+    _mm256_storeu_ps(p, v.h[0]);
+    _mm256_storeu_ps(p + 8, v.h[1]);
+}
+ALWAYS vf vf_update(vf acc, const float *d, float s, vi dots, const float *m, float x) {
+    const __m256 S = _mm256_set1_ps(s), X = _mm256_set1_ps(x);
+    for (int h = 0; h < 2; h++) {
+        acc.h[h] = _mm256_add_ps(acc.h[h], _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(d + 8 * h), S),
+                                                         _mm256_cvtepi32_ps(dots.h[h])));
+        if (m) acc.h[h] = _mm256_add_ps(acc.h[h], _mm256_mul_ps(_mm256_loadu_ps(m + 8 * h), X));
+    }
+    return acc;
+}
+#else
+typedef struct { int32_t v[LANES]; } vi;
+typedef struct { float v[LANES]; } vf;
+ALWAYS vi unit_dot(const uint8_t *w, const int8_t *a, int quads, int nib, int32_t qa_sum) {
+    vi out;
+    (void)qa_sum;
+#if TS_PATH == 3
+    const uint8x16_t mask = vdupq_n_u8(0x0F), bias = vdupq_n_u8(0x80);
+    for (int k = 0; k < 4; k++) {
+        int32x4_t acc = vdupq_n_s32(0);
+        for (int g = 0; g < quads; g++) {
+            uint8x16_t v = vld1q_u8(w + 64 * g + 16 * k);
+            int32_t a0, a1;
+            memcpy(&a0, a + 4 * g, 4);
+            if (nib) {
+                memcpy(&a1, a + 16 + 4 * g, 4);
+                acc = vdotq_s32(acc, vreinterpretq_s8_u8(vandq_u8(v, mask)), vreinterpretq_s8_s32(vdupq_n_s32(a0)));
+                acc = vdotq_s32(acc, vreinterpretq_s8_u8(vshrq_n_u8(v, 4)), vreinterpretq_s8_s32(vdupq_n_s32(a1)));
+            } else {
+                acc = vdotq_s32(acc, vreinterpretq_s8_u8(veorq_u8(v, bias)), vreinterpretq_s8_s32(vdupq_n_s32(a0)));
+            }
+        }
+        vst1q_s32(out.v + 4 * k, acc);
+    }
+#else
+    for (int l = 0; l < LANES; l++) out.v[l] = 0;
+    for (int g = 0; g < quads; g++) {
+        const uint8_t *wg = w + 64 * g;
+        for (int l = 0; l < LANES; l++) {
+            int32_t t = 0;
+            for (int e = 0; e < 4; e++) {
+                int32_t v = wg[4 * l + e];
+                if (nib)
+                    t += (v & 15) * a[4 * g + e] + (v >> 4) * a[16 + 4 * g + e];
+                else
+                    t += (v - 128) * a[4 * g + e];
+            }
+            out.v[l] += t;
+        }
+    }
+#endif
+    return out;
+}
+ALWAYS void vi_store(int32_t *out, vi v) { memcpy(out, v.v, sizeof(v.v)); }
+ALWAYS vf vf_zero(void) { vf z; for (int l = 0; l < LANES; l++) z.v[l] = 0.0f; return z; }
+ALWAYS void vf_store(float *p, vf v) { memcpy(p, v.v, sizeof(v.v)); }
+ALWAYS vf vf_update(vf acc, const float *d, float s, vi dots, const float *m, float x) {
+    for (int l = 0; l < LANES; l++) acc.v[l] += (d[l] * s) * (float)dots.v[l];
+    if (m)
+        for (int l = 0; l < LANES; l++) acc.v[l] += m[l] * x;
+    return acc;
+}
+#endif
+
+/* The int8 product of rows i of tile t for NC chunks of 16 output rows at once (NC = R/16), every
+ * chunk's 16 sums kept in registers across the units: per unit u and output row,
+ * acc += (d_u * d_a) * dot, then for q4 acc += m_u * xs (the min term on the rounded activations:
+ * int8.py, NOTE(accuracy)); units in order, so the bits do not depend on NC or the path. */
+#define TILE_ROWS(NC, QUADS, NIB)                                                                                 \
+    static void tile_##NC##_##QUADS##_##NIB(const ts_weight *w, i64 t, const int8_t *q, const float *da,         \
+                                            const float *xs, const int32_t *qsum, i64 B, float *y, i64 ldy, i64 c0) { \
+        const i64 nu = w->nu, R = w->R, K = w->K, per = K / nu, step = R * (NIB ? 16 : per);                      \
+        const i64 chunk = NIB ? 256 : 16 * per;                                                                   \
+        for (i64 i = 0; i < B; i++) {                                                                             \
+            vf acc[NC];                                                                                           \
+            _Pragma("GCC unroll 8") for (int c = 0; c < NC; c++) acc[c] = vf_zero();                              \
+            for (i64 u = 0; u < nu; u++) {                                                                        \
+                const i64 k0 = u * per;                                                                           \
+                const uint8_t *base = w->qv + (t * nu + u) * step;                                                \
+                const float *du = w->d + (t * nu + u) * R;                                                        \
+                const float *mu = NIB ? w->m + (t * nu + u) * R : NULL;                                           \
+                const int8_t *a = q + i * K + k0;                                                                 \
+                const int32_t qs = qsum[i * (K / 16) + k0 / 16] + (per == 32 ? qsum[i * (K / 16) + k0 / 16 + 1] : 0); \
+                const float s = da[i * (K / 32) + k0 / 32], x = NIB ? xs[i * (K / 32) + u] : 0.0f;                 \
+                _Pragma("GCC unroll 8") for (int c = 0; c < NC; c++)                                              \
+                    acc[c] = vf_update(acc[c], du + 16 * (c0 + c), s, unit_dot(base + (c0 + c) * chunk, a, QUADS,   \
+                                       NIB, qs), NIB ? mu + 16 * (c0 + c) : NULL, x);                              \
+            }                                                                                                     \
+            _Pragma("GCC unroll 8") for (int c = 0; c < NC; c++) vf_store(y + i * ldy + t * R + 16 * (c0 + c), acc[c]); \
+        }                                                                                                         \
+    }
+#define TILE_ALL(NC) TILE_ROWS(NC, 4, 1) TILE_ROWS(NC, 4, 0) TILE_ROWS(NC, 8, 0)
+TILE_ALL(1)
+TILE_ALL(2)
+TILE_ALL(4)
+TILE_ALL(8)
+
+typedef void (*tile_fn)(const ts_weight *, i64, const int8_t *, const float *, const float *, const int32_t *, i64,
+                        float *, i64, i64);
+
+static tile_fn tile_for(i64 nc, int quads, int nib) {
+#define PICK(NC)                                                                                                   \
+    if (nc == NC) return nib ? tile_##NC##_4_1 : quads == 4 ? tile_##NC##_4_0 : tile_##NC##_8_0;
+    PICK(1) PICK(2) PICK(4) PICK(8)
+#undef PICK
+    return NULL;
+}
+
+/* y [B, T*R] (row stride ldy) = the quantized rows (q, da, xs, qsum as ts_quantize_rows fills them)
+ * times weight w. */
+static void matmul_i8(const ts_weight *w, const int8_t *q, const float *da, const float *xs, const int32_t *qsum,
+                      i64 B, float *y, i64 ldy, int nthreads) {
+    const i64 T = w->T, R = w->R, per = w->K / w->nu;
+    const int nib = w->m != NULL, quads = nib ? 4 : (int)(per / 4);
+    int nt = threads_for(nthreads, T);
+#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
+    for (i64 t = 0; t < T; t++)
+        for (i64 c0 = 0, nc; c0 < R / 16; c0 += nc) {      /* chunks 8, 4, 2 or 1 at a time */
+            nc = R / 16 - c0 >= 8 ? 8 : R / 16 - c0 >= 4 ? 4 : R / 16 - c0 >= 2 ? 2 : 1;
+            tile_for(nc, quads, nib)(w, t, q, da, xs, qsum, B, y, ldy, c0);
+        }
+}
+
+/* the integer dots alone, for tests: dots [B, T, nu, R] int32 (the plain signed sums) */
+void ts_unit_dots(const ts_weight *w, const int8_t *q, const int32_t *qsum, i64 B, int32_t *out) {
+    const i64 T = w->T, nu = w->nu, R = w->R, K = w->K, per = K / nu;
+    const int nib = w->m != NULL, quads = nib ? 4 : (int)(per / 4);
+    const i64 step = R * (nib ? 16 : per), chunk = nib ? 256 : 16 * per;
+    for (i64 i = 0; i < B; i++)
+        for (i64 t = 0; t < T; t++)
+            for (i64 u = 0; u < nu; u++) {
+                const i64 k0 = u * per;
+                const int32_t qs = qsum[i * (K / 16) + k0 / 16] + (per == 32 ? qsum[i * (K / 16) + k0 / 16 + 1] : 0);
+                for (i64 c = 0; c < R / LANES; c++)
+                    vi_store(out + ((i * T + t) * nu + u) * R + c * LANES,
+                             unit_dot(w->qv + (t * nu + u) * step + c * chunk, q + i * K + k0, quads, nib, qs));
+            }
+}
+
+/* y [B, T*R] = x [B, K] times w, x's rows quantized to int8 per block of 32 */
+void ts_product_i8(const float *x, i64 B, const ts_weight *w, float *y, int nthreads) {
+    const i64 K = w->K;
+    int8_t *q = (int8_t *)malloc((size_t)(B * K));
+    float *da = (float *)malloc(sizeof(float) * (size_t)(B * (K / 32)));
+    float *xs = (float *)malloc(sizeof(float) * (size_t)(B * (K / 32)));
+    int32_t *qsum = (int32_t *)malloc(sizeof(int32_t) * (size_t)(B * (K / 16)));
+    ts_quantize_rows(x, B, K, q, da, xs, qsum, nthreads);
+    matmul_i8(w, q, da, xs, qsum, B, y, w->T * w->R, nthreads);
+    free(q);
+    free(da);
+    free(xs);
+    free(qsum);
+}
+
+/* ---- float activations (cpu.py's fused kernels and the BLAS path's dequantizers) ------------ */
+
+/* A weight in the float kernels' tiled layout (quant.QWeight): q4: qs u8 [T, K/32, 16, R], d, m
+ * [T, K/32, R]; q8: qs i8 [T, K/16, 16, R], d [T, nd, R] (K/16/nd sub-blocks per scale), m NULL. */
+typedef struct {
+    const void *qs;
+    const float *d;
+    const float *m;
+    i64 T, nb, nd, R, K;
+} ts_fweight;
+
+/* y [B, T*R] = x [B, K] times w in float32: per block, w unpacked once into a float tile [32 or 16, R]
+ * all rows reuse; per row and output row s = sum_j w[j] x[j] in j order, acc += d * s (+ m * sum(x)
+ * for q4, the block's sum of x in j order). */
+void ts_product_f32(const float *x, i64 B, const ts_fweight *w, float *y, int nthreads) {
+    const i64 T = w->T, nb = w->nb, R = w->R, K = w->K;
+    const int q4 = w->m != NULL;
+    const i64 S = 16, per = q4 ? 32 : 16, g = q4 ? 1 : nb / w->nd;
+    int nt = threads_for(nthreads, T);
+#pragma omp parallel num_threads(nt) if (nt > 1)
+    {
+        float *acc = (float *)malloc(sizeof(float) * (size_t)(B * R));
+        float *wt = (float *)malloc(sizeof(float) * (size_t)(32 * R));
+        float *s = (float *)malloc(sizeof(float) * (size_t)R);
+#pragma omp for schedule(static)
+        for (i64 t = 0; t < T; t++) {
+            memset(acc, 0, sizeof(float) * (size_t)(B * R));
+            for (i64 b = 0; b < nb; b++) {
+                const i64 k = b * per;
+                if (q4) {
+                    const uint8_t *qb = (const uint8_t *)w->qs + (t * nb + b) * S * R;
+                    for (i64 j = 0; j < S; j++)
+                        for (i64 r = 0; r < R; r++) {
+                            wt[j * R + r] = (float)(qb[j * R + r] & 15);
+                            wt[(16 + j) * R + r] = (float)(qb[j * R + r] >> 4);
+                        }
+                } else {
+                    const int8_t *qb = (const int8_t *)w->qs + (t * nb + b) * S * R;
+                    for (i64 j = 0; j < S * R; j++) wt[j] = (float)qb[j];
+                }
+                const float *db = w->d + (t * w->nd + b / g) * R;
+                const float *mb = q4 ? w->m + (t * nb + b) * R : NULL;
+                for (i64 i = 0; i < B; i++) {
+                    const float *xi = x + i * K + k;
+                    float *ai = acc + i * R;
+                    for (i64 r = 0; r < R; r++) s[r] = 0.0f;
+                    for (i64 j = 0; j < per; j++) {
+                        const float xj = xi[j], *wj = wt + j * R;
+                        for (i64 r = 0; r < R; r++) s[r] += wj[r] * xj;
+                    }
+                    if (q4) {
+                        float xsum = 0.0f;
+                        for (i64 j = 0; j < 32; j++) xsum += xi[j];
+                        for (i64 r = 0; r < R; r++) ai[r] += db[r] * s[r] + mb[r] * xsum;
+                    } else {
+                        for (i64 r = 0; r < R; r++) ai[r] += db[r] * s[r];
+                    }
+                }
+            }
+            for (i64 i = 0; i < B; i++) memcpy(y + i * T * R + t * R, acc + i * R, sizeof(float) * (size_t)R);
+        }
+        free(acc);
+        free(wt);
+        free(s);
+    }
+}
+
+/* tiles t0.. of w -> out [K, cols] float32 (W.T), cols a multiple of R */
+void ts_dequant_t(const ts_fweight *w, i64 t0, float *out, i64 cols, int nthreads) {
+    const i64 nb = w->nb, R = w->R, S = 16;
+    const int q4 = w->m != NULL;
+    const i64 g = q4 ? 1 : nb / w->nd, tiles = cols / R;
+    int nt = threads_for(nthreads, tiles);
+#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
+    for (i64 tt = 0; tt < tiles; tt++) {
+        const i64 t = t0 + tt, c = tt * R;
+        for (i64 b = 0; b < nb; b++) {
+            const float *db = w->d + (t * w->nd + b / g) * R;
+            if (q4) {
+                const uint8_t *qb = (const uint8_t *)w->qs + (t * nb + b) * S * R;
+                const float *mb = w->m + (t * nb + b) * R;
+                for (i64 j = 0; j < S; j++) {
+                    float *lo = out + (b * 32 + j) * cols + c, *hi = out + (b * 32 + 16 + j) * cols + c;
+                    for (i64 r = 0; r < R; r++) {
+                        lo[r] = (float)(qb[j * R + r] & 15) * db[r] + mb[r];
+                        hi[r] = (float)(qb[j * R + r] >> 4) * db[r] + mb[r];
+                    }
+                }
+            } else {
+                const int8_t *qb = (const int8_t *)w->qs + (t * nb + b) * S * R;
+                for (i64 j = 0; j < S; j++) {
+                    float *o = out + (b * S + j) * cols + c;
+                    for (i64 r = 0; r < R; r++) o[r] = (float)qb[j * R + r] * db[r];
+                }
+            }
+        }
+    }
+}
+
+/* ---- attention (attention.py) ---------------------------------------------------------------- */
+
+/* The KV caches of a call: kv [S, 3] (K address, V address, capacity), buffers [n_layer, capacity,
+ * G, D] of half floats (bits) where `half`, else float32. */
+typedef struct {
+    const i64 *kv;
+    int half;
+    i64 li, G, D;
+} kvset;
+
+static inline const void *kv_row(const kvset *c, i64 s, int which, i64 j, i64 g) {
+    const i64 cap = c->kv[s * 3 + 2];
+    const i64 at = ((c->li * cap + j) * c->G + g) * c->D;
+    const char *base = (const char *)(intptr_t)c->kv[s * 3 + which];
+    return base + at * (c->half ? 2 : 4);
+}
+
+static inline float elem(const void *row, int half, i64 d) {
+    return half ? h2f(((const uint16_t *)row)[d]) : ((const float *)row)[d];
+}
+
+static inline void prefetch_row(const void *row, i64 bytes) {
+    for (i64 line = 0; line < bytes; line += 64) __builtin_prefetch((const char *)row + line, 0, 3);
+}
+
+/* q . k over D, in 16 lanes (lane d % 16) then a fixed tree */
+static inline float dot_row(const float *q, const void *k, int half, i64 D) {
+    float l[LANES];
+    i64 d = 0;
+#if defined(__AVX512F__)
+    __m512 acc = _mm512_setzero_ps();
+    for (; d + 16 <= D; d += 16) {
+        __m512 kv = half ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)k + d)))
+                         : _mm512_loadu_ps((const float *)k + d);
+        acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_loadu_ps(q + d), kv));
+    }
+    if (d == D) return hsum512(acc);
+    _mm512_storeu_ps(l, acc);
+#elif defined(__AVX2__) && defined(__F16C__)
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+    for (; d + 16 <= D; d += 16) {
+        __m256 k0, k1;
+        if (half) {
+            k0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)k + d)));
+            k1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)k + d + 8)));
+        } else {
+            k0 = _mm256_loadu_ps((const float *)k + d);
+            k1 = _mm256_loadu_ps((const float *)k + d + 8);
+        }
+        a0 = _mm256_add_ps(a0, _mm256_mul_ps(_mm256_loadu_ps(q + d), k0));
+        a1 = _mm256_add_ps(a1, _mm256_mul_ps(_mm256_loadu_ps(q + d + 8), k1));
+    }
+    if (d == D) return hsum256x2(a0, a1);
+    _mm256_storeu_ps(l, a0);
+    _mm256_storeu_ps(l + 8, a1);
+#else
+    for (int x = 0; x < LANES; x++) l[x] = 0.0f;
+    for (; d + 16 <= D; d += 16)
+        for (int x = 0; x < LANES; x++) l[x] += q[d + x] * elem(k, half, d + x);
+#endif
+    for (i64 e = d; e < D; e++) l[e - d] += q[e] * elem(k, half, e);
+    return lanes_total(l);
+}
+
+/* o[D] = e0 v0 + ... as o += (e0 v0 + e1 v1) + (e2 v2 + e3 v3) */
+#define ADD4(N, W, P, LD)                                                                                     \
+    if (half) {                                                                                                 \
+        W E0 = P##_set1_ps(e[0]), E1 = P##_set1_ps(e[1]), E2 = P##_set1_ps(e[2]), E3 = P##_set1_ps(e[3]);       \
+        for (; d + N <= D; d += N) {                                                                            \
+            W s = P##_add_ps(P##_add_ps(P##_mul_ps(E0, LD(0)), P##_mul_ps(E1, LD(1))),                          \
+                             P##_add_ps(P##_mul_ps(E2, LD(2)), P##_mul_ps(E3, LD(3))));                         \
+            P##_storeu_ps(o + d, P##_add_ps(P##_loadu_ps(o + d), s));                                           \
+        }                                                                                                       \
+    }
+#define HALVES512(x) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)v[x] + d)))
+#define HALVES256(x) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)v[x] + d)))
+static inline void add4(float *o, const void *const *v, const float *e, int half, i64 D) {
+    i64 d = 0;
+#if defined(__AVX512F__)
+    ADD4(16, __m512, _mm512, HALVES512)
+#elif defined(__AVX2__) && defined(__F16C__)
+    ADD4(8, __m256, _mm256, HALVES256)
+#endif
+    if (half) {
+        const uint16_t *v0 = v[0], *v1 = v[1], *v2 = v[2], *v3 = v[3];
+        for (; d < D; d++) o[d] += (e[0] * h2f(v0[d]) + e[1] * h2f(v1[d])) + (e[2] * h2f(v2[d]) + e[3] * h2f(v3[d]));
+    } else {
+        const float *v0 = v[0], *v1 = v[1], *v2 = v[2], *v3 = v[3];
+        for (; d < D; d++) o[d] += (e[0] * v0[d] + e[1] * v1[d]) + (e[2] * v2[d] + e[3] * v3[d]);
+    }
+}
+
+/* the keys a..b-1 of chunk j0..j1-1 that the row at position p reads */
+static inline void span(i64 p, i64 window, i64 j0, i64 j1, i64 *a, i64 *b) {
+    i64 lo = window > 0 ? (p - window + 1 > 0 ? p - window + 1 : 0) : 0;
+    *a = lo > j0 ? lo : j0;
+    *b = p + 1 < j1 ? p + 1 : j1;
+}
+
+/* one query vector over keys a..b-1 (a < b) of KV head g of sequence s: o = sum e v,
+ * *best = the highest score, returns sum e */
+static float vector(const float *qv, const kvset *c, i64 s, i64 g, i64 a, i64 b, float *sc, float *o, float *best) {
+    const i64 D = c->D, bytes = D * (c->half ? 2 : 4), stride = c->G * bytes;
+    /* key j's row at kb + j * stride (prefetching past the buffer's end never faults) */
+    const char *kb = (const char *)kv_row(c, s, 0, 0, g), *vb = (const char *)kv_row(c, s, 1, 0, g);
+    if (c->half)
+        for (i64 j = a; j < b; j++) {
+            prefetch_row(kb + (j + AHEAD) * stride, bytes);
+            sc[j - a] = dot_row(qv, kb + j * stride, 1, D);
+        }
+    else
+        for (i64 j = a; j < b; j++) {
+            prefetch_row(kb + (j + AHEAD) * stride, bytes);
+            sc[j - a] = dot_row(qv, kb + j * stride, 0, D);
+        }
+    float m = sc[0];
+    for (i64 j = 1; j < b - a; j++) m = sc[j] > m ? sc[j] : m;
+    exp_shifted(sc, b - a, m);
+    for (i64 d = 0; d < D; d++) o[d] = 0.0f;
+    i64 j = a;
+    for (; j + 4 <= b; j += 4) {
+        for (int x = 0; x < 4; x++) prefetch_row(vb + (j + AHEAD + x) * stride, bytes);
+        const void *v[4] = {vb + j * stride, vb + (j + 1) * stride, vb + (j + 2) * stride, vb + (j + 3) * stride};
+        add4(o, v, sc + (j - a), c->half, D);
+    }
+    for (; j < b; j++) {
+        const void *vj = vb + j * stride;
+        const float e = sc[j - a];
+        for (i64 d = 0; d < D; d++) o[d] += e * elem(vj, c->half, d);
+    }
+    float l[LANES];
+    for (int x = 0; x < LANES; x++) l[x] = 0.0f;
+    for (i64 x = 0; x < b - a; x++) l[x % LANES] += sc[x];
+    *best = m;
+    return lanes_total(l);
+}
+
+typedef struct {
+    const float *q;       /* [R, ldq]: row r's query head h at q + r*ldq + h*D, pre-scaled, rotated */
+    i64 ldq;
+    const i64 *seq, *pos;
+    i64 window, H;
+    kvset c;
+} attn;
+
+/* the partial (o [n, D], m, t) of block rows r0..r1-1 over chunk keys j0..j1-1 of KV head g */
+static void partial(const attn *A, i64 r0, i64 r1, i64 g, i64 j0, i64 j1, float *o, float *m, float *t, float *sc) {
+    const i64 M = A->H / A->c.G, D = A->c.D;
+    for (i64 i = 0; i < (r1 - r0) * M; i++) {
+        const i64 r = r0 + i / M, h = g * M + i % M;
+        i64 a, b;
+        span(A->pos[r], A->window, j0, j1, &a, &b);
+        if (a >= b) {
+            m[i] = EMPTY;
+            t[i] = 0.0f;
+            for (i64 d = 0; d < D; d++) o[i * D + d] = 0.0f;
+        } else {
+            t[i] = vector(A->q + r * A->ldq + h * D, &A->c, A->seq[r], g, a, b, sc, o + i * D, &m[i]);
+        }
+    }
+}
+
+static void merge(float *o, float *m, float *t, const float *oc, const float *mc, const float *tc, i64 n, i64 D) {
+    for (i64 i = 0; i < n; i++) {
+        if (mc[i] == EMPTY) continue;
+        if (m[i] == EMPTY) {
+            m[i] = mc[i];
+            t[i] = tc[i];
+            for (i64 d = 0; d < D; d++) o[i * D + d] = oc[i * D + d];
+            continue;
+        }
+        const float best = m[i] > mc[i] ? m[i] : mc[i];
+        const float a = ts_exp(m[i] - best), b = ts_exp(mc[i] - best);
+        m[i] = best;
+        t[i] = t[i] * a + tc[i] * b;
+        for (i64 d = 0; d < D; d++) o[i * D + d] = o[i * D + d] * a + oc[i * D + d] * b;
+    }
+}
+
+typedef struct { i64 r0, r1, c0, nc; } block;
+
+/* block b's rows for KV head g into out [R, H*D]: from the partials at po/pm/pt + task*stride.. (task
+ * >= 0), or else computed chunk by chunk here, each merged as it comes */
+static void block_head(const attn *A, const block *bl, i64 g, const float *po, const float *pm, const float *pt,
+                       i64 task, float *out) {
+    const i64 M = A->H / A->c.G, D = A->c.D, n = (bl->r1 - bl->r0) * M, N = ROWS * M;
+    float *o = (float *)malloc(sizeof(float) * (size_t)(n * D)), *m = (float *)malloc(sizeof(float) * (size_t)n);
+    float *t = (float *)malloc(sizeof(float) * (size_t)n);
+    for (i64 i = 0; i < n; i++) m[i] = EMPTY;
+    if (task >= 0) {
+        for (i64 c = 0; c < bl->nc; c++)
+            merge(o, m, t, po + (task + c) * N * D, pm + (task + c) * N, pt + (task + c) * N, n, D);
+    } else {
+        float *oc = (float *)malloc(sizeof(float) * (size_t)(n * D)), *mc = (float *)malloc(sizeof(float) * (size_t)n);
+        float *tc = (float *)malloc(sizeof(float) * (size_t)n), *sc = (float *)malloc(sizeof(float) * CHUNK);
+        for (i64 c = bl->c0; c < bl->c0 + bl->nc; c++) {
+            partial(A, bl->r0, bl->r1, g, c * CHUNK, (c + 1) * CHUNK, oc, mc, tc, sc);
+            merge(o, m, t, oc, mc, tc, n, D);
+        }
+        free(oc);
+        free(mc);
+        free(tc);
+        free(sc);
+    }
+    for (i64 i = 0; i < n; i++) {
+        const i64 r = bl->r0 + i / M, h = g * M + i % M;
+        const float inv = 1.0f / t[i];
+        for (i64 d = 0; d < D; d++) out[r * A->H * D + h * D + d] = o[i * D + d] * inv;
+    }
+    free(o);
+    free(m);
+    free(t);
+}
+
+/* out [R, H*D]: row r's query heads at position pos[r] of sequence seq[r] over its keys lo..pos[r] of
+ * layer li (lo = pos[r] - window + 1, or 0); query head h reads KV head h / (H/G) */
+void ts_attend_rows(const float *q, i64 ldq, i64 R, const i64 *seq, const i64 *pos, const i64 *kv, int half, i64 li,
+                    i64 window, i64 H, i64 G, i64 D, float *out, int nthreads) {
+    attn A = {q, ldq, seq, pos, window, H, {kv, half, li, G, D}};
+    block *bl = (block *)malloc(sizeof(block) * (size_t)(R > 0 ? R : 1));
+    i64 nb = 0;
+    for (i64 r = 0; r < R;) {
+        i64 e = r + 1;
+        while (e < R && e - r < ROWS && seq[e] == seq[r]) e++;
+        i64 c0 = (i64)1 << 62, c1 = 0;
+        for (i64 x = r; x < e; x++) {
+            i64 a, b;
+            span(pos[x], window, 0, pos[x] + 1, &a, &b);
+            c0 = a / CHUNK < c0 ? a / CHUNK : c0;
+            c1 = (b - 1) / CHUNK > c1 ? (b - 1) / CHUNK : c1;
+        }
+        bl[nb].r0 = r;
+        bl[nb].r1 = e;
+        bl[nb].c0 = c0;
+        bl[nb].nc = c1 - c0 + 1;
+        nb++;
+        r = e;
+    }
+    const int spread = nb * G < SPREAD_BELOW;
+    i64 *first = (i64 *)malloc(sizeof(i64) * (size_t)(nb + 1));
+    first[0] = 0;
+    for (i64 b = 0; b < nb; b++) first[b + 1] = first[b] + (spread ? bl[b].nc : 1);
+    const i64 tasks = G * first[nb], N = ROWS * (H / G);
+    float *po = NULL, *pm = NULL, *pt = NULL;
+    if (spread) {
+        po = (float *)malloc(sizeof(float) * (size_t)(tasks * N * D));
+        pm = (float *)malloc(sizeof(float) * (size_t)(tasks * N));
+        pt = (float *)malloc(sizeof(float) * (size_t)(tasks * N));
+    }
+    int nt = threads_for(nthreads, tasks);
+#pragma omp parallel num_threads(nt) if (nt > 1)
+    {
+        float *sc = (float *)malloc(sizeof(float) * CHUNK);
+        i64 b = 0;
+#pragma omp for schedule(dynamic, 1)
+        for (i64 x = 0; x < tasks; x++) {
+            while (G * first[b + 1] <= x) b++;         /* tasks are in block order */
+            while (G * first[b] > x) b--;
+            const i64 nc = spread ? bl[b].nc : 1, g = (x - G * first[b]) / nc, c = (x - G * first[b]) % nc;
+            if (spread)
+                partial(&A, bl[b].r0, bl[b].r1, g, (bl[b].c0 + c) * CHUNK, (bl[b].c0 + c + 1) * CHUNK, po + x * N * D,
+                        pm + x * N, pt + x * N, sc);
+            else
+                block_head(&A, &bl[b], g, NULL, NULL, NULL, -1, out);
+        }
+        free(sc);
+    }
+    if (spread)
+        for (i64 bg = 0; bg < nb * G; bg++) {
+            const i64 b = bg / G, g = bg % G;
+            block_head(&A, &bl[b], g, po, pm, pt, G * first[b] + g * bl[b].nc, out);
+        }
+    free(po);
+    free(pm);
+    free(pt);
+    free(first);
+    free(bl);
+}
+
+/* ---- a whole layer (layer.py) ---------------------------------------------------------------- */
+
+typedef struct {
+    const float *norms;     /* [n_norms, dim]: attention and MLP norms, then the post norms if any */
+    i64 n_norms;
+    const float *bqkv;      /* [(H+2G)*D] or NULL */
+    const float *qk_norm;   /* [2, D] or NULL */
+    float eps;
+    int gelu;
+    i64 H, G, D, dim, ffn;
+    ts_weight w[4];         /* wqkv, wo, w_gate_up, w_down */
+} ts_layer_weights;
+
+/* out = x / sqrt(mean(x^2) + eps) * w over n values (out may be x): squares summed in 16 lanes */
+static void norm(const float *x, const float *w, float eps, i64 n, float *out) {
+    float l[LANES];
+    for (int k = 0; k < LANES; k++) l[k] = 0.0f;
+    i64 j = 0;
+    for (; j + LANES <= n; j += LANES)
+        for (int k = 0; k < LANES; k++) l[k] += x[j + k] * x[j + k];
+    for (; j < n; j++) l[j % LANES] += x[j] * x[j];
+    const float rms = sqrtf(lanes_total(l) * (1.0f / (float)n) + eps);
+    for (j = 0; j < n; j++) out[j] = x[j] / rms * w[j];
+}
+
+void ts_layer(const ts_layer_weights *L, float *x, i64 R, const i64 *seq, const i64 *pos, const i64 *kv, int half,
+              i64 li, i64 window, const float *cos, const float *sin, i64 rot, int nthreads) {
+    const i64 H = L->H, G = L->G, D = L->D, dim = L->dim, F = L->ffn, W = (H + 2 * G) * D;
+    float *h = (float *)malloc(sizeof(float) * (size_t)(R * dim));
+    float *qkv = (float *)malloc(sizeof(float) * (size_t)(R * W));
+    float *att = (float *)malloc(sizeof(float) * (size_t)(R * H * D));
+    float *gu = (float *)malloc(sizeof(float) * (size_t)(R * 2 * F));
+    float *a = (float *)malloc(sizeof(float) * (size_t)(R * F));
+    for (i64 r = 0; r < R; r++) norm(x + r * dim, L->norms, L->eps, dim, h + r * dim);
+    ts_product_i8(h, R, &L->w[0], qkv, nthreads);
+    kvset c = {kv, half, li, G, D};
+    for (i64 r = 0; r < R; r++) {
+        float *qr = qkv + r * W;
+        if (L->bqkv)
+            for (i64 j = 0; j < W; j++) qr[j] += L->bqkv[j];
+        const i64 p = pos[r];
+        for (i64 hh = 0; hh < H + G; hh++) {
+            float *v = qr + hh * D;
+            if (L->qk_norm) norm(v, L->qk_norm + (hh < H ? 0 : D), L->eps, D, v);
+            const float *cs = cos + p * rot, *sn = sin + p * rot;
+            for (i64 i = 0; i < rot; i++) {
+                const float x1 = v[i], x2 = v[rot + i];
+                v[i] = x1 * cs[i] - x2 * sn[i];
+                v[rot + i] = x2 * cs[i] + x1 * sn[i];
+            }
+        }
+        for (i64 g = 0; g < G; g++) {
+            void *kd = (void *)kv_row(&c, seq[r], 0, p, g), *vd = (void *)kv_row(&c, seq[r], 1, p, g);
+            const float *ks = qr + (H + g) * D, *vs = qr + (H + G + g) * D;
+            for (i64 d = 0; d < D; d++) {
+                if (half) {
+                    ((uint16_t *)kd)[d] = f2h(ks[d]);
+                    ((uint16_t *)vd)[d] = f2h(vs[d]);
+                } else {
+                    ((float *)kd)[d] = ks[d];
+                    ((float *)vd)[d] = vs[d];
+                }
+            }
+        }
+    }
+    ts_attend_rows(qkv, W, R, seq, pos, kv, half, li, window, H, G, D, att, nthreads);
+    ts_product_i8(att, R, &L->w[1], h, nthreads);
+    for (i64 r = 0; r < R; r++) {
+        float *xr = x + r * dim, *hr = h + r * dim;
+        if (L->n_norms > 2) norm(hr, L->norms + 2 * dim, L->eps, dim, hr);
+        for (i64 j = 0; j < dim; j++) xr[j] += hr[j];
+        norm(xr, L->norms + dim, L->eps, dim, hr);
+    }
+    ts_product_i8(h, R, &L->w[2], gu, nthreads);
+    const float cg = (float)(2.0 * sqrt(2.0 / 3.14159265358979323846));
+    for (i64 r = 0; r < R; r++) gate_row(gu + r * 2 * F, gu + r * 2 * F + F, a + r * F, F, L->gelu, cg);
+    ts_product_i8(a, R, &L->w[3], h, nthreads);
+    for (i64 r = 0; r < R; r++) {
+        float *xr = x + r * dim, *hr = h + r * dim;
+        if (L->n_norms > 3) norm(hr, L->norms + 3 * dim, L->eps, dim, hr);
+        for (i64 j = 0; j < dim; j++) xr[j] += hr[j];
+    }
+    free(h);
+    free(qkv);
+    free(att);
+    free(gu);
+    free(a);
+}

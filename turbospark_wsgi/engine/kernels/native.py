@@ -1,0 +1,299 @@
+"""The C kernels (native.c): compiled by the machine's C compiler, once per instruction path, into the
+kernel cache directory, and called through ctypes (which lets go of the GIL around each call).
+
+PERF(cold-start): the numba kernels compile at a machine's first load: 20 s to /health 200 on a
+2-vCPU Zen 4 with an empty cache (int8 products 4.4 s, the fused layer 13.3 s, the float kernels
+14-15 s in a second process). The C source builds in about 1.2 s for one path (gcc 12, -O3) and
+computes the same steps, so a first start is about as quick as a warm one. Where no C compiler
+works, or TURBOSPARK_KERNELS=numba, the numba kernels run as before (KernelPlan says which and why).
+
+`load(path)` returns the Library of instruction path `path` (isa.PATHS): built if its cached file
+is missing (under a file lock, so N workers starting together build once), loaded once per process.
+The file's name holds a hash of the source, the path's flags and the compiler's version, so an
+upgrade never loads a stale build.
+"""
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import threading
+
+import numpy as np
+
+from . import isa
+
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "native.c")
+ABI = 1
+_BASE = ("-O3", "-std=gnu11", "-fPIC", "-shared", "-fopenmp", "-ffp-contract=off", "-fno-math-errno")
+# what each path compiles with (x86: F16C converts the half-float KV caches; every AVX2 CPU has it)
+FLAGS = {
+    "vnni512": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mavx2", "-mf16c"),
+    "avxvnni": ("-mavxvnni", "-mavx2", "-mf16c"),
+    "avx2": ("-mavx2", "-mf16c"),
+    "neon": ("-march=armv8.2-a+dotprod",),
+    "generic": (),
+}
+# AVX-512 VNNI CPUs without AVX-VNNI (Zen 4, Ice Lake) run the 256-bit path's EVEX form
+_AVXVNNI_EVEX = ("-mavx512vl", "-mavx512vnni", "-mavx2", "-mf16c")
+
+
+class NativeUnavailable(RuntimeError):
+    """The C kernels cannot be built or loaded here (the message says why)."""
+
+
+def compiler():
+    """The C compiler's path, or None."""
+    for name in ("cc", "gcc", "clang"):
+        found = shutil.which(name)
+        if found:
+            return found
+    return None
+
+
+def flags(path, features=None):
+    """The compiler flags of instruction path `path` on this CPU."""
+    if path not in FLAGS:
+        raise ValueError(f"no C kernels for instruction path {path!r}")
+    if path == "avxvnni":
+        feats = isa.host_features() if features is None else set(features)
+        if "avxvnni" not in feats and {"avx512vnni", "avx512vl"} <= feats:
+            return _AVXVNNI_EVEX
+    return FLAGS[path]
+
+
+def command(cc, path, out):
+    """The compiler command building path `path`'s library at `out`."""
+    return [cc, *_BASE, *flags(path), f"-DTS_PATH={isa.IDS[path]}", SOURCE, "-o", out, "-lm"]
+
+
+def _key(cc, path):
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        raise NativeUnavailable(f"the C compiler {cc} does not run: {e}") from None
+    h = hashlib.sha256(f"{ABI}|{path}|{' '.join(command('cc', path, 'x'))}|{version}|{platform.machine()}".encode())
+    with open(SOURCE, "rb") as f:
+        h.update(f.read())
+    return h.hexdigest()[:16]
+
+
+def library_file(path, directory=None):
+    """Where path `path`'s library is kept (built or not)."""
+    cc = compiler()
+    if cc is None:
+        raise NativeUnavailable("no C compiler (cc, gcc or clang) on PATH")
+    from . import warm
+    return os.path.join(directory or warm.cache_dir(), f"turbospark-native-{_key(cc, path)}-{path}.so")
+
+
+def build(path, directory=None):
+    """Builds path `path`'s library unless it is there; returns (its file, whether this call built
+    it). Raises NativeUnavailable."""
+    import fcntl
+    out = library_file(path, directory)
+    if os.path.exists(out):
+        return out, False
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    with open(os.path.join(os.path.dirname(out), "turbospark-native.lock"), "a+") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            if os.path.exists(out):
+                return out, False
+            tmp = f"{out}.{os.getpid()}.tmp"
+            try:
+                done = subprocess.run(command(compiler(), path, tmp), capture_output=True, text=True, timeout=300)
+            except (OSError, subprocess.SubprocessError) as e:
+                raise NativeUnavailable(f"the C compiler failed to run: {e}") from None
+            if done.returncode != 0:
+                tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
+                raise NativeUnavailable(f"the C kernels did not compile for {path}: {' | '.join(tail)}")
+            os.replace(tmp, out)
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+    return out, True
+
+
+_LOADED = {}
+_LOCK = threading.Lock()
+
+
+def load(path, directory=None):
+    """The Library of instruction path `path` (built first where needed), once per process."""
+    with _LOCK:
+        lib = _LOADED.get(path)
+        if lib is None:
+            lib = _LOADED[path] = Library(path, *build(path, directory))
+        return lib
+
+
+# ---- the C structures ---------------------------------------------------------------------------
+
+_p, _i64 = ctypes.c_void_p, ctypes.c_int64
+
+
+class Weight(ctypes.Structure):
+    _fields_ = [("qv", _p), ("d", _p), ("m", _p), ("T", _i64), ("nu", _i64), ("R", _i64), ("K", _i64)]
+
+
+class FloatWeight(ctypes.Structure):
+    _fields_ = [("qs", _p), ("d", _p), ("m", _p), ("T", _i64), ("nb", _i64), ("nd", _i64), ("R", _i64), ("K", _i64)]
+
+
+class LayerWeights(ctypes.Structure):
+    _fields_ = [("norms", _p), ("n_norms", _i64), ("bqkv", _p), ("qk_norm", _p), ("eps", ctypes.c_float),
+                ("gelu", ctypes.c_int), ("H", _i64), ("G", _i64), ("D", _i64), ("dim", _i64), ("ffn", _i64),
+                ("w", Weight * 4)]
+
+
+def _addr(a):
+    return a.__array_interface__["data"][0]
+
+
+def _c(a, dtype):
+    """`a` as a C-contiguous array of `dtype` (itself when it is one already)."""
+    return np.ascontiguousarray(a, dtype=dtype)
+
+
+class _Held:
+    """A C structure and the arrays its pointers point into (kept alive with it)."""
+
+    __slots__ = ("struct", "arrays", "ref")
+
+    def __init__(self, struct, arrays):
+        self.struct, self.arrays = struct, arrays
+        self.ref = ctypes.byref(struct)
+
+
+class Library:
+    """One instruction path's C kernels. Array arguments are C-contiguous numpy arrays of the types
+    named; `threads` is the number of threads a call may use."""
+
+    def __init__(self, path, file, built=False):
+        self.path, self.file, self.built = path, file, built     # built: compiled by this process
+        try:
+            lib = ctypes.CDLL(file)
+        except OSError as e:
+            raise NativeUnavailable(f"the C kernels did not load: {e}") from None
+        if lib.ts_abi() != ABI or lib.ts_path() != isa.IDS[path]:
+            raise NativeUnavailable(f"{os.path.basename(file)} is not the {path} build of this source")
+        i64, p, i32 = _i64, _p, ctypes.c_int
+        lib.ts_quantize_rows.argtypes = [p, i64, i64, p, p, p, p, i32]
+        lib.ts_product_i8.argtypes = [p, i64, p, p, i32]
+        lib.ts_unit_dots.argtypes = [p, p, p, i64, p]
+        lib.ts_product_f32.argtypes = [p, i64, p, p, i32]
+        lib.ts_dequant_t.argtypes = [p, i64, p, i64, i32]
+        lib.ts_attend_rows.argtypes = [p, i64, i64, p, p, p, i32, i64, i64, i64, i64, i64, p, i32]
+        lib.ts_layer.argtypes = [p, p, i64, p, p, p, i32, i64, i64, p, p, i64, i32]
+        lib.ts_to_half.argtypes = lib.ts_from_half.argtypes = [p, i64, p]
+        for f in (lib.ts_to_half, lib.ts_from_half, lib.ts_quantize_rows, lib.ts_product_i8, lib.ts_unit_dots, lib.ts_product_f32, lib.ts_dequant_t,
+                  lib.ts_attend_rows, lib.ts_layer):
+            f.restype = None
+        self._lib = lib
+
+    def __repr__(self):
+        return f"Library({self.path!r}, {os.path.basename(self.file)!r})"
+
+    # -- weights, converted once and kept on the QWeight (`p.cw`)
+
+    def weight(self, p):
+        """The int8 kernels' C view of QWeight p (int8.prepare's layout)."""
+        from . import int8
+        held = p.cw.get("i8") if p.cw else None
+        if held is None:
+            qv, d = int8.prepare(p), _c(p.d, np.float32)
+            m = None if p.m is None else _c(p.m, np.float32)
+            s = Weight(_addr(qv), _addr(d), None if m is None else _addr(m), qv.shape[0], d.shape[1], p.tile, p.k)
+            held = _Held(s, (qv, d, m))
+            p.cw = {**(p.cw or {}), "i8": held}
+        return held
+
+    def float_weight(self, p):
+        """The float kernels' C view of QWeight p (its tiled blocks)."""
+        held = p.cw.get("f32") if p.cw else None
+        if held is None:
+            qs = np.ascontiguousarray(p.qs)
+            d = _c(p.d, np.float32)
+            m = None if p.m is None else _c(p.m, np.float32)
+            s = FloatWeight(_addr(qs), _addr(d), None if m is None else _addr(m), qs.shape[0], qs.shape[1],
+                            d.shape[1], p.tile, p.k)
+            held = _Held(s, (qs, d, m))
+            p.cw = {**(p.cw or {}), "f32": held}
+        return held
+
+    # -- products
+
+    def product_i8(self, x, p, y, threads):
+        """y [B, T*R] float32 = x [B, K] float32 (C-contiguous) times QWeight p, int8 activations."""
+        self._lib.ts_product_i8(_addr(x), x.shape[0], self.weight(p).ref, _addr(y), threads)
+
+    def unit_dots(self, p, q, qsum):
+        """The exact int32 dots of every unit: [B, T, nu, R] for int8 rows q [B, K] and qsum [B, K/16]."""
+        w = self.weight(p).struct
+        q, qsum = _c(q, np.int8), _c(qsum, np.int32)
+        out = np.empty((q.shape[0], w.T, w.nu, w.R), np.int32)
+        self._lib.ts_unit_dots(ctypes.byref(w), _addr(q), _addr(qsum), q.shape[0], _addr(out))
+        return out
+
+    def quantize_rows(self, x, threads=1):
+        """x float32 [B, K] -> (q int8, d, xs, qsum) as int8.quantize_rows fills them."""
+        x = _c(x, np.float32)
+        B, K = x.shape
+        q, d = np.empty((B, K), np.int8), np.empty((B, K // 32), np.float32)
+        xs, qsum = np.empty((B, K // 32), np.float32), np.empty((B, K // 16), np.int32)
+        self._lib.ts_quantize_rows(_addr(x), B, K, _addr(q), _addr(d), _addr(xs), _addr(qsum), threads)
+        return q, d, xs, qsum
+
+    def to_half(self, x):
+        """The bits of the half floats the K/V store writes for float32 values x (clamped to the range)."""
+        x = _c(x, np.float32)
+        out = np.empty(x.shape, np.uint16)
+        self._lib.ts_to_half(_addr(x), x.size, _addr(out))
+        return out
+
+    def from_half(self, h):
+        """float32 values of half-float bits h, as attention reads them."""
+        h = _c(h, np.uint16)
+        out = np.empty(h.shape, np.float32)
+        self._lib.ts_from_half(_addr(h), h.size, _addr(out))
+        return out
+
+    def product_f32(self, x, p, y, threads):
+        """y [B, T*R] = x [B, K] times QWeight p with float32 activations (cpu.py's fused kernels)."""
+        self._lib.ts_product_f32(_addr(x), x.shape[0], self.float_weight(p).ref, _addr(y), threads)
+
+    def dequant_t(self, p, t0, out, threads):
+        """Tiles t0.. of QWeight p -> out [K, cols] float32 (W.T; cols a multiple of p.tile)."""
+        self._lib.ts_dequant_t(self.float_weight(p).ref, t0, _addr(out), out.shape[1], threads)
+
+    # -- attention and layers
+
+    def attend_rows(self, q, seq, pos, kv, half, li, window, H, G, D, out, threads):
+        """out [R, H*D] = attention.attend_rows's rows: q [R, >= H*D] (row stride q.shape[1])."""
+        self._lib.ts_attend_rows(_addr(q), q.shape[1], q.shape[0], _addr(seq), _addr(pos), _addr(kv), int(half), li,
+                                 window, H, G, D, _addr(out), threads)
+
+    def layer_weights(self, args, dim):
+        """The C view of one layer from layer.layer_args's tuple (after `sin`)."""
+        eps, gelu, H, G, D, norms, bqkv, qk, qvs, ds, ms = args
+        parts = [self.weight_from(qv, d, m) for qv, d, m in zip(qvs, ds, ms)]
+        ffn = ds[2].shape[0] * ds[2].shape[2] // 2
+        s = LayerWeights(_addr(norms), norms.shape[0], _addr(bqkv) if bqkv.shape[0] else None,
+                         _addr(qk) if qk.shape[0] else None, float(eps), int(gelu), H, G, D, dim, ffn,
+                         (Weight * 4)(*[h.struct for h in parts]))
+        return _Held(s, (norms, bqkv, qk, parts))
+
+    def weight_from(self, qv, d, m):
+        """A Weight over int8.prepare's arrays (qv, d, m: an empty m for q8 units)."""
+        d = _c(d, np.float32)
+        T, nu, R = d.shape
+        per = 32 if m.shape[0] else qv.shape[3] * 4      # q4 blocks of 32, q8 units of 4 bytes a quad
+        K = nu * per
+        s = Weight(_addr(qv), _addr(d), _addr(m) if m.shape[0] else None, T, nu, R, K)
+        return _Held(s, (qv, d, m))
+
+    def layer(self, weights, x, seq, pos, kv, half, li, window, cos, sin, threads):
+        """One transformer layer on x [R, dim] (in place) as layer.layer computes it."""
+        self._lib.ts_layer(weights.ref, _addr(x), x.shape[0], _addr(seq), _addr(pos), _addr(kv), int(half), li, window,
+                           _addr(cos), _addr(sin), cos.shape[-1], threads)
