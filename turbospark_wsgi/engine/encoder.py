@@ -283,8 +283,20 @@ def _layer_norm(x, w, b, eps):
     return centered / np.sqrt(var + np.float32(eps)) * w + b
 
 
-@numba.vectorize(["float32(float32)"], nopython=True, fastmath=True, cache=True)
+_GELU = []
+
+
 def _gelu(x):
+    """`_gelu_value` over an array, compiled (or loaded from numba's cache) at its first call.
+
+    PERF(cold-start): with its signature given at import, numba compiled this ufunc whenever the
+    engine was imported, ~1 s of every decoder server's first start with an empty cache."""
+    if not _GELU:
+        _GELU.append(numba.vectorize(["float32(float32)"], nopython=True, fastmath=True, cache=True)(_gelu_value))
+    return _GELU[0](x)
+
+
+def _gelu_value(x):
     """Exact (erf) GELU, as BERT's "gelu", in one pass.
 
     PERF(erf): erf by Abramowitz & Stegun 7.1.26 (|error| < 1.5e-7, within float32's rounding of
