@@ -267,3 +267,27 @@ def test_the_x86_paths_compile_to_their_instructions(tmp_path):
         dis = subprocess.run(["objdump", "-d", str(out)], capture_output=True, text=True).stdout
         assert mnemonic in dis, path
         assert "vfmadd" not in dis, path
+
+
+_GEVENT_BUILD = """
+from gevent import monkey; monkey.patch_all()
+import sys
+from gevent.threadpool import ThreadPoolExecutor
+from turbospark_wsgi.engine.kernels import native, warm
+with ThreadPoolExecutor(1) as pool:          # a thread with a hub of its own, as gevent's worker loads
+    file, built = pool.submit(native.build, sys.argv[1], sys.argv[2]).result()
+    child = pool.submit(warm._start, "none", sys.argv[1]).result()
+    code = pool.submit(child.wait).result()
+print(built, code)
+"""
+
+
+def test_a_build_runs_on_a_gevent_workers_loading_thread(tmp_path):
+    """gevent's subprocess cannot watch a child from a thread's own hub; the build (and numba's
+    warm-up child) must start and wait for theirs there all the same."""
+    pytest.importorskip("gevent")
+    done = subprocess.run([sys.executable, "-c", _GEVENT_BUILD, PATHS[0], str(tmp_path)], capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    built, code = done.stdout.split()
+    assert built == "True" and code in ("0", "None")        # the warm child ran (compiling no group)

@@ -17,7 +17,6 @@ import hashlib
 import os
 import platform
 import shutil
-import subprocess
 import threading
 
 import numpy as np
@@ -69,11 +68,12 @@ def command(cc, path, out):
 
 
 def _key(cc, path):
-    try:
-        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError) as e:
-        raise NativeUnavailable(f"the C compiler {cc} does not run: {e}") from None
-    h = hashlib.sha256(f"{ABI}|{path}|{' '.join(command('cc', path, 'x'))}|{version}|{platform.machine()}".encode())
+    # the compiler as the file it is (an upgrade changes its size or time), not its --version: no
+    # process to start on every load
+    real = os.path.realpath(cc)
+    st = os.stat(real)
+    compiler_id = f"{real}|{st.st_size}|{st.st_mtime_ns}"
+    h = hashlib.sha256(f"{ABI}|{path}|{' '.join(command('cc', path, 'x'))}|{compiler_id}|{platform.machine()}".encode())
     with open(SOURCE, "rb") as f:
         h.update(f.read())
     return h.hexdigest()[:16]
@@ -102,17 +102,64 @@ def build(path, directory=None):
             if os.path.exists(out):
                 return out, False
             tmp = f"{out}.{os.getpid()}.tmp"
-            try:
-                done = subprocess.run(command(compiler(), path, tmp), capture_output=True, text=True, timeout=300)
-            except (OSError, subprocess.SubprocessError) as e:
-                raise NativeUnavailable(f"the C compiler failed to run: {e}") from None
-            if done.returncode != 0:
-                tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
+            ok, text = _run(command(compiler(), path, tmp), tmp)
+            if not ok:
+                tail = text.strip().splitlines()[-3:]
                 raise NativeUnavailable(f"the C kernels did not compile for {path}: {' | '.join(tail)}")
             os.replace(tmp, out)
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
     return out, True
+
+
+def spawn(cmd, log_fd):
+    """The pid of `cmd` started with stdin from /dev/null and stdout and stderr to `log_fd`.
+
+    NOTE(gevent): under gevent's worker a model loads on a thread with a hub of its own, and
+    gevent's subprocess (and its os.posix_spawnp) cannot watch a child there: "child watchers are
+    only available on the default loop". The `posix` module's own posix_spawnp and waitpid, which
+    gevent leaves alone, work on any thread; output goes to a file, not a pipe to read."""
+    import posix
+    return posix.posix_spawnp(cmd[0], cmd, os.environ, file_actions=[
+        (os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0),
+        (os.POSIX_SPAWN_DUP2, log_fd, 1), (os.POSIX_SPAWN_DUP2, log_fd, 2)])
+
+
+def wait(pid, timeout=None):
+    """The exit status of child `pid` (see spawn), or None where another watcher reaped it first;
+    killed past `timeout` seconds (TimeoutError)."""
+    import posix
+    import time
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        try:
+            done, code = posix.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            return None
+        if done:
+            return os.waitstatus_to_exitcode(code)
+        if deadline is not None and time.monotonic() > deadline:
+            os.kill(pid, 9)
+            posix.waitpid(pid, 0)
+            raise TimeoutError(f"ran past {timeout} s")
+        time.sleep(0.02)
+
+
+def _run(cmd, out, timeout=300):
+    """(succeeded, output) of the compiler command `cmd`, which writes the file `out`: where the exit
+    status is lost (ECHILD) the file decides, as a compiler writes its output only when it succeeds."""
+    import tempfile
+    with tempfile.TemporaryFile() as log:
+        try:
+            status = wait(spawn(cmd, log.fileno()), timeout)
+        except OSError as e:
+            raise NativeUnavailable(f"the C compiler failed to run: {e}") from None
+        except TimeoutError:
+            raise NativeUnavailable(f"the C compiler ran past {timeout} s") from None
+        log.seek(0)
+        text = log.read().decode(errors="replace")
+    ok = status == 0 if status is not None else os.path.exists(out) and os.path.getsize(out) > 0
+    return ok, text
 
 
 _LOADED = {}
@@ -295,5 +342,8 @@ class Library:
 
     def layer(self, weights, x, seq, pos, kv, half, li, window, cos, sin, threads):
         """One transformer layer on x [R, dim] (in place) as layer.layer computes it."""
+        if x.dtype != np.float32 or not x.flags.c_contiguous:
+            raise ValueError("the layer runs in place on a C-contiguous float32 x")
+        seq, pos, cos, sin = _c(seq, np.int64), _c(pos, np.int64), _c(cos, np.float32), _c(sin, np.float32)
         self._lib.ts_layer(weights.ref, _addr(x), x.shape[0], _addr(seq), _addr(pos), _addr(kv), int(half), li, window,
                            _addr(cos), _addr(sin), cos.shape[-1], threads)

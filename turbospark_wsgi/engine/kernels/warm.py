@@ -18,7 +18,6 @@ a warm one, and N workers).
 import contextlib
 import hashlib
 import os
-import subprocess
 import sys
 import tempfile
 
@@ -101,11 +100,25 @@ def compiling(path):
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
+class _Child:
+    """A child process started by native.spawn (NOTE(gevent) there: this also runs on gevent's
+    loading thread), with `wait()`."""
+
+    def __init__(self, pid):
+        self.pid = pid
+
+    def wait(self):
+        from . import native
+        return native.wait(self.pid)
+
+
 def _start(group, path):
     """The child process compiling `group` into the cache, or None where it cannot start."""
+    from . import native
     try:
-        return subprocess.Popen([sys.executable, "-m", "turbospark_wsgi.engine.kernels.warm", group, path],
-                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+        with open(os.devnull, "wb") as null:
+            return _Child(native.spawn([sys.executable, "-m", "turbospark_wsgi.engine.kernels.warm", group, path],
+                                       null.fileno()))
     except OSError:
         return None
 
