@@ -110,7 +110,7 @@ class Transformer:
         if logits == "hidden":
             return to_host(rms_norm(x, w.norm, c.norm_eps, xp))        # [T, dim]
         x = x[-1:] if logits == "last" else x                           # [1 or T, dim]
-        out = self._cap(to_host(rms_norm(x, w.norm, c.norm_eps, xp) @ w.head))   # [1 or T, vocab]
+        out = soft_cap(to_host(rms_norm(x, w.norm, c.norm_eps, xp) @ w.head), c.final_softcap)   # [1 or T, vocab]
         return out[0] if logits == "last" else out
 
     def _prompt_layers(self, x, pos, cache, mm):
@@ -152,7 +152,7 @@ class Transformer:
             x = self._decode_layers(ids, pos, caches)                   # [B, 1, dim]
         for cache, end in zip(own, ends):
             cache.length = end
-        return self._cap(to_host(rms_norm(x, w.norm, c.norm_eps, xp) @ w.head)[:, 0])   # [B, vocab]
+        return soft_cap(to_host(rms_norm(x, w.norm, c.norm_eps, xp) @ w.head)[:, 0], c.final_softcap)   # [B, vocab]
 
     def _decode_layers(self, ids, pos, caches):
         """`decode_batch`'s layers step by step: token b at position pos[b] of caches[b] -> x `[B, 1, dim]`.
@@ -185,16 +185,10 @@ class Transformer:
         kv, elem = kernels_layer.addresses(caches)
         ropes = self.rotary.layers(int(at.max()) + 1)
         self.w.layers[0].wqkv.use_threads(len(x))
-        lib = self.native
-        if lib is not None:
+        if self.native is not None:
             if self._native_layers is None:
-                self._native_layers = [lib.layer_weights(args, self.cfg.dim) for args in self._layer_args]
-            half, threads = elem.dtype == np.uint16, kernels_cpu.thread_count()
-            for i, lw in enumerate(self._native_layers):
-                yielding.point()                                        # NOTE(front-door): see yielding.py
-                cos, sin = ropes[i]
-                lib.layer(lw, x, seq, at, kv, half, i, self._layer_window[i], cos, sin, threads)
-            return x
+                self._native_layers = [self.native.layer_weights(args, self.cfg.dim) for args in self._layer_args]
+            return _native_layers(self.native, self._native_layers, x, seq, at, kv, elem, ropes, self._layer_window)
         layer = kernels_layer.LAYER[self.plan.isa]
         for i, args in enumerate(self._layer_args):
             yielding.point()                                            # NOTE(front-door): see yielding.py
@@ -202,20 +196,11 @@ class Transformer:
         return x
 
     def warm_layers(self):
-        """Compiles (or loads from numba's cache) the fused layer kernel: one token through the
+        """Compiles (or loads from numba's cache) numba's fused layer kernel: one token through the
         first layer into a scratch cache, outside any forward pass (so no yielding gate is asked)."""
-        if self.native is not None:
-            return                  # the C kernels were built with the plan: nothing compiles here
         one, cache = np.zeros(1, np.int64), self.new_cache(1)
         kernels_layer.LAYER[self.plan.isa](self._embed(one), one, one, *kernels_layer.addresses([cache]), 0, self._layer_window[0],
                             *self.rotary.layers(1)[0], *self._layer_args[0])
-
-    def _cap(self, logits):
-        """Final logit soft-capping (cap * tanh(logits / cap)) where the config sets a cap."""
-        cap = self.cfg.final_softcap
-        if not cap:
-            return logits
-        return (np.tanh(logits / np.float32(cap)) * np.float32(cap)).astype(np.float32)
 
     def _embed(self, ids):
         w, xp = self.w, self.xp
@@ -227,6 +212,23 @@ class Transformer:
         if self.cfg.embed_scale:
             x = x * np.float32(np.sqrt(self.cfg.dim))                   # Gemma: times sqrt(dim)
         return x
+
+
+def soft_cap(logits, cap):
+    """Final logit soft-capping (cap * tanh(logits / cap)) where the config sets a cap."""
+    if not cap:
+        return logits
+    return (np.tanh(logits / np.float32(cap)) * np.float32(cap)).astype(np.float32)
+
+
+def _native_layers(lib, layers, x, seq, at, kv, elem, ropes, windows):
+    """Transformer._fused_layers on the C kernels: `layers` the C views of each layer's weights."""
+    half, threads = elem.dtype == np.uint16, kernels_cpu.thread_count()
+    for i, lw in enumerate(layers):
+        yielding.point()                                                # NOTE(front-door): see yielding.py
+        cos, sin = ropes[i]
+        lib.layer(lw, x, seq, at, kv, half, i, windows[i], cos, sin, threads)
+    return x
 
 
 class DecoderLayers:

@@ -36,6 +36,8 @@ with half, 5.0 with float32, one thread).
 """
 import numpy as np
 
+from . import threads
+
 try:
     from llvmlite import ir
     from numba import carray, njit, prange
@@ -365,8 +367,7 @@ def attend(q, keys, vals, pos, window=0, lib=None):
     rows = np.ascontiguousarray(q, dtype=np.float32).reshape(T, H * D)
     seq, at = np.zeros(T, np.int64), np.arange(pos, pos + T, dtype=np.int64)
     if lib is not None:
-        from .cpu import thread_count
-        lib.attend_rows(rows, seq, at, kv, False, 0, int(window), H, G, D, out, thread_count())
+        lib.attend_rows(rows, seq, at, kv, False, 0, int(window), H, G, D, out, threads.count())
     else:
         attend_rows(rows, seq, at, kv, element(np.float32), 0, int(window), H, G, D, out)
     return out

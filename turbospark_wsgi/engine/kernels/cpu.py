@@ -10,13 +10,12 @@ summation order. With int8 activations (the model's KernelPlan) every product of
 integer kernels of int8.py instead.
 """
 import contextlib
-import os
-import threading
 
 import numpy as np
 
 from .. import quant
 from . import attention, int8
+from .threads import count as thread_count, use as _use_threads  # noqa: F401 (thread_count: the engine's)
 
 try:
     import numba
@@ -319,31 +318,6 @@ def limit_blas_threads(n=1):
     300 went 40 -> 8 ms a token (B = 1) and 65 -> 36 ms a step (B = 8), a 24-token prompt 110 -> 48 ms."""
     from threadpoolctl import threadpool_limits
     threadpool_limits(n, user_api="blas")
-
-
-_local = threading.local()
-
-
-def thread_count():
-    """The threads the calling thread's next kernels may use (what `_use_threads` last set; the C
-    kernels take it as an argument)."""
-    n = getattr(_local, "threads", None)
-    if n is None:
-        n = numba.config.NUMBA_NUM_THREADS if AVAILABLE else (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
-    return n
-
-
-def _use_threads(n):
-    """Numba threads for the calling thread's next kernels (None: all of them).
-
-    PERF(threads): numba's setting is per calling thread, so it is set only when it changes; setting
-    and restoring it around every call cost ~13 us a product, 1.6 ms a decode token (121 products)."""
-    if not AVAILABLE:
-        return
-    n = numba.config.NUMBA_NUM_THREADS if n is None else max(1, min(int(n), numba.config.NUMBA_NUM_THREADS))
-    if getattr(_local, "threads", None) != n:
-        numba.set_num_threads(n)
-        _local.threads = n
 
 
 WARM_GROUPS = ("int8", "float")

@@ -29,7 +29,7 @@ keep both nibbles (byte j: weight j low, weight j+16 high); q8 bytes are q + 128
 import numpy as np
 
 from .. import quant
-from . import isa
+from . import isa, threads
 
 try:
     import numba
@@ -220,8 +220,7 @@ def matmul(x, p, y, path=None, lib=None):
     the integer dots on instruction path `path` (an isa.PATHS name; default DEFAULT's), on the C
     kernels `lib` (native.Library: its own path) where given."""
     if lib is not None:
-        from .cpu import thread_count
-        lib.product_i8(x, p, y, thread_count())
+        lib.product_i8(x, p, y, threads.count())
         return
     PRODUCT[path or DEFAULT.path](x, prepare(p), p.d, NO_MINS if p.m is None else p.m, y)
 

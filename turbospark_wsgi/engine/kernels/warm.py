@@ -21,6 +21,8 @@ import os
 import sys
 import tempfile
 
+from . import children
+
 _KERNELS = ("attention.py", "cpu.py", "int8.py", "int8_dot.py", "layer.py", "isa.py", "../quant.py")
 _MODULES = ("attention", "cpu", "int8", "int8_dot", "layer")       # the modules numba caches kernels of
 
@@ -101,23 +103,21 @@ def compiling(path):
 
 
 class _Child:
-    """A child process started by native.spawn (NOTE(gevent) there: this also runs on gevent's
+    """A child process started by children.spawn (NOTE(gevent) there: this also runs on gevent's
     loading thread), with `wait()`."""
 
     def __init__(self, pid):
         self.pid = pid
 
     def wait(self):
-        from . import native
-        return native.wait(self.pid)
+        return children.wait(self.pid)
 
 
 def _start(group, path):
     """The child process compiling `group` into the cache, or None where it cannot start."""
-    from . import native
     try:
         with open(os.devnull, "wb") as null:
-            return _Child(native.spawn([sys.executable, "-m", "turbospark_wsgi.engine.kernels.warm", group, path],
+            return _Child(children.spawn([sys.executable, "-m", "turbospark_wsgi.engine.kernels.warm", group, path],
                                        null.fileno()))
     except OSError:
         return None
