@@ -181,3 +181,28 @@ def test_warm_compiles_a_models_kernels_and_says_which(capsys):
     assert cli.main(["warm", "--model", str(STORIES)]) == 0
     out = capsys.readouterr().out
     assert out.startswith("kernels ready in ") and "activations" in out
+
+
+def test_serve_starts_the_c_kernel_build_beside_gunicorn(monkeypatch):
+    """The build overlaps gunicorn's start (its file lock makes the worker wait for it); nothing is
+    built where the settings take numba's kernels or the GPU, or name a bad value."""
+    from turbospark_wsgi import cli
+    started = []
+    monkeypatch.setattr(cli.subprocess, "Popen", lambda argv, **kw: started.append((argv, kw)) or "proc")
+    assert cli.start_kernel_build({"TURBOSPARK_INT8_ISA": "avx2", "TURBOSPARK_INT8_VNNI": "0"}) == "proc"
+    argv, kw = started[0]
+    assert argv[1:] == ["-m", "turbospark_wsgi.engine.kernels.native", "avx2", "0"] and kw["start_new_session"]
+    for env in ({"TURBOSPARK_KERNELS": "numba"}, {"TURBOSPARK_DEVICE": "cuda"}, {"TURBOSPARK_KERNELS": "fortran"}):
+        assert cli.start_kernel_build(env) is None
+    assert len(started) == 1
+
+
+def test_the_kernel_build_entry_builds_the_chosen_path(tmp_path, monkeypatch):
+    from turbospark_wsgi.engine.kernels import native
+    if native.compiler() is None:
+        pytest.skip("no C compiler")
+    built = []
+    monkeypatch.setattr(native, "build", lambda path: built.append(path) or (str(tmp_path / "x.so"), True))
+    assert native.main(["generic", "1"]) == 0 and built == ["generic"]
+    monkeypatch.setattr(native, "build", lambda path: (_ for _ in ()).throw(native.NativeUnavailable("no cc")))
+    assert native.main([]) == 1

@@ -70,7 +70,7 @@ def parse_args(argv=None):
     p.add_argument("--engine-clients", type=int, default=8,
                    help="streams of the engine-only run (0: none); compared with the HTTP level of that count")
     p.add_argument("--fresh-numba-cache", action="store_true",
-                   help="start this server with an empty numba cache (a fresh install's cold start)")
+                   help="start this server with an empty kernel cache (NUMBA_CACHE_DIR: where the C kernels are built and numba's are cached; a fresh install's cold start)")
     p.add_argument("--budget", type=float, default=1800.0,
                    help="seconds for the whole run; rounds after the first are skipped past it")
     p.add_argument("--seed", type=int, default=0)

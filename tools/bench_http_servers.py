@@ -181,7 +181,7 @@ class Server:
 
 def engine_env(args, base, fresh_cache=False):
     """This server's engine settings: threads, batch and queue sizes, and with fresh_cache an empty
-    numba cache, so the first requests compile the kernels as on a fresh install."""
+    kernel cache (the C kernels' builds and numba's cache), so the first load builds them as on a fresh install."""
     threads = str(args.threads)
     env = dict(base, TURBOSPARK_MODEL=args.model, TURBOSPARK_DEVICE="cpu", TURBOSPARK_MAX_BATCH=str(args.max_batch),
                TURBOSPARK_MAX_WAITING="32", OPENBLAS_NUM_THREADS=str(args.blas_threads or threads),

@@ -315,3 +315,23 @@ class Library:
         seq, pos, cos, sin = _c(seq, np.int64), _c(pos, np.int64), _c(cos, np.float32), _c(sin, np.float32)
         self._lib.ts_layer(weights.ref, _addr(x), x.shape[0], _addr(seq), _addr(pos), _addr(kv), int(half), li, window,
                            _addr(cos), _addr(sin), cos.shape[-1], threads)
+
+
+def main(argv=None):
+    """`python -m turbospark_wsgi.engine.kernels.native [WANT] [VNNI]`: builds the C kernels of the
+    path isa.choose takes for WANT (auto, or an isa.PATHS name; VNNI 1 or 0) into the kernel cache
+    (`turbospark serve` runs it beside gunicorn's start)."""
+    import sys
+    argv = sys.argv[1:] if argv is None else argv
+    path = isa.choose(argv[0] if argv else "auto", (argv[1] if len(argv) > 1 else "1") != "0").path
+    try:
+        file, built = build(path)
+    except NativeUnavailable as e:
+        print(e, file=sys.stderr)
+        return 1
+    print(f"{'built' if built else 'found'} {file}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
