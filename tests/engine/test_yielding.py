@@ -22,6 +22,7 @@ def greedy(engine, prompt, n=6):
 def test_the_gate_is_asked_once_per_layer_of_every_forward_pass(tiny_gguf, counting_gate, monkeypatch):
     engine = load_engine(tiny_gguf(qtype="Q8_0").path, device="cpu", max_batch=2, prefill_chunk=4)
     model = engine.model
+    counting_gate.clear()                              # the load's own first pass (loader._first_pass)
     passes = []
     for name in ("forward", "decode_batch"):
         real = getattr(model, name)
