@@ -104,8 +104,8 @@ def start_kernel_build(env):
     it now overlaps; returns the process, or None where it did not start."""
     try:
         settings = {name: setting_from_env(name, env) for name in ("kernels", "device", "int8_isa", "int8_vnni")}
-    except (ValueError, ConfigError):
-        return None                         # the worker names the bad setting
+    except ValueError:                      # ConfigError: the worker names the bad setting
+        return None
     from .engine.options import INT8_PATHS
     if settings["kernels"] not in ("auto", "native") or settings["device"] == "cuda" \
             or settings["int8_isa"] not in INT8_PATHS:

@@ -15,7 +15,7 @@ from turbospark_wsgi.engine.kernels import attention as kernels_attention, cpu a
 from turbospark_wsgi.engine.options import EngineOptions, kernel_plan
 
 pytest.importorskip("gguf")
-from test_quant_kernels import close, make  # noqa: E402
+from test_quant_kernels import close, extreme_rows, make, minus_128_weight  # noqa: E402
 
 pytestmark = pytest.mark.skipif(native.compiler() is None or not kernels_cpu.AVAILABLE,
                                 reason="no C compiler, or numba is absent")
@@ -47,13 +47,6 @@ def reference_dots(w, q):
     return padded.reshape(len(q), T, R, k // per).transpose(0, 1, 3, 2)
 
 
-def extreme_rows(k, rng):
-    x = rng.standard_normal((5, k)).astype(np.float32)
-    x[1], x[2] = 3.0, -3.0                      # q_a = +-127 in every byte: where vpmaddubsw would saturate
-    x[3, ::2] = -5.0
-    return x
-
-
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0", "Q6_K", "Q4_K"])
 def test_every_path_gives_the_integer_products_exactly(libs, qtype, path):
@@ -75,16 +68,7 @@ def test_every_path_gives_the_integer_products_exactly(libs, qtype, path):
 
 @pytest.mark.parametrize("path", PATHS)
 def test_q8_weights_at_minus_128_do_not_saturate(libs, path):
-    from gguf import GGMLQuantizationType as GT
-    from turbospark_wsgi.engine import quant
-    n, k = 32, 64
-    raw = np.zeros((n, k // 32, 34), np.uint8)
-    raw[..., :2] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
-    raw[..., 2:] = 0x80
-    raw[::2, :, 2::3] = 0x7F
-    w = quant.pack(quant.decode(raw.reshape(n, -1), GT.Q8_0.value, (n, k)), tile=32)
-    x = np.where(np.arange(k) % 5 == 0, -1.0, 1.0).astype(np.float32)[None].repeat(3, 0)
-    x[2] *= -1
+    w, x = minus_128_weight()
     q, _, _, qsum = libs[path].quantize_rows(x)
     assert np.array_equal(libs[path].unit_dots(w.parts[0], q, qsum), reference_dots(w, q))
 
@@ -273,11 +257,11 @@ _GEVENT_BUILD = """
 from gevent import monkey; monkey.patch_all()
 import sys
 from gevent.threadpool import ThreadPoolExecutor
-from turbospark_wsgi.engine.kernels import native, warm
+from turbospark_wsgi.engine.kernels import children, native, warm
 with ThreadPoolExecutor(1) as pool:          # a thread with a hub of its own, as gevent's worker loads
     file, built = pool.submit(native.build, sys.argv[1], sys.argv[2]).result()
     child = pool.submit(warm._start, "none", sys.argv[1]).result()
-    code = pool.submit(child.wait).result()
+    code = pool.submit(children.wait, child).result()
 print(built, code)
 """
 

@@ -66,18 +66,17 @@ def _load(path, options):
         kernels_cpu.limit_blas_threads(1)
     else:
         model = Transformer(cfg, load_weights(cfg, source, kind, backend.xp), backend.xp, plan)
-    if model.fused_attention and getattr(model, "native", None) is None:
+    if getattr(model, "native", None) is not None:
+        _first_pass(model)          # the C kernels were built with the plan
+    elif model.fused_attention:
         # NOTE(cold-start): the numba kernels compile (or load from numba's cache) here, so a server
         # says it is ready only once its first request runs at full speed; once per machine, the
-        # float kernels in a second process (kernels/warm.py). The C kernels (plan.native) were
-        # built with the plan and need nothing more.
+        # float kernels in a second process (kernels/warm.py).
         with warm.compiling(plan.isa):
             kernels_cpu.warmup(plan.isa, groups=("int8",))
             if model.fused:
                 model.warm_layers()
         kernels_cpu.warmup(plan.isa, groups=("float",))
-    elif getattr(model, "native", None) is not None:
-        _first_pass(model)
     return LoadedModel(cfg, model, metadata, kind, path, backend.name, backend.reason,
                        plan.describe() if backend.name == "numpy" else "")
 

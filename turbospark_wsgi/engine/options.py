@@ -111,25 +111,20 @@ def kernel_plan(options):
         why = f"{act} requested" + (f"; {choice.reason}" if act == "int8" else "")
     if act == "int8" and not kernels_q8.AVAILABLE:
         act, why = "float32", "int8 requested but numba is absent"
-    lib, code = native_kernels(options.kernels, choice.path)
+    lib, code = native_kernels(options.kernels, choice.path, kernels_q8.AVAILABLE)
     return KernelPlan(act, choice.path, bool(options.fused_layers), why, options.kv_cache != "f32", lib, code)
 
 
-def native_kernels(want, path):
+def native_kernels(want, path, numba_present=True):
     """(Library or None, words) for TURBOSPARK_KERNELS `want` on instruction path `path`: the C
     kernels where asked for (auto or native) and they build here, else numba's, saying why."""
-    if want == "numba" or not _numba_present():
+    if want == "numba" or not numba_present:
         return None, "numba kernels" + (" (requested)" if want == "numba" else "")
     from .kernels import native
     try:
         return native.load(path), "C kernels"
     except native.NativeUnavailable as e:
         return None, f"numba kernels: {e}"
-
-
-def _numba_present():
-    from .kernels import int8 as kernels_q8
-    return kernels_q8.AVAILABLE
 
 
 def apply(options):

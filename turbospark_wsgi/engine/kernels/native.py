@@ -3,14 +3,15 @@ kernel cache directory, and called through ctypes (which lets go of the GIL arou
 
 PERF(cold-start): the numba kernels compile at a machine's first load: 20 s to /health 200 on a
 2-vCPU Zen 4 with an empty cache (int8 products 4.4 s, the fused layer 13.3 s, the float kernels
-14-15 s in a second process). The C source builds in about 1.2 s for one path (gcc 12, -O3) and
-computes the same steps, so a first start is about as quick as a warm one. Where no C compiler
+14-15 s in a second process). The C source builds in 2.3-2.9 s for one path (gcc 12, -O3) and
+computes the same steps; `turbospark serve` starts that build beside gunicorn's start (cli.py), so a
+first start takes 3.3-4.5 s to /health 200 (README, "Cold start"). Where no C compiler
 works, or TURBOSPARK_KERNELS=numba, the numba kernels run as before (KernelPlan says which and why).
 
 `load(path)` returns the Library of instruction path `path` (isa.PATHS): built if its cached file
 is missing (under a file lock, so N workers starting together build once), loaded once per process.
-The file's name holds a hash of the source, the path's flags and the compiler's version, so an
-upgrade never loads a stale build.
+The file's name holds a hash of the source, the path's flags and the compiler's file (path, size,
+time), so an upgrade never loads a stale build.
 """
 import ctypes
 import hashlib
@@ -217,10 +218,7 @@ class Library:
         from . import int8
         held = p.cw.get("i8") if p.cw else None
         if held is None:
-            qv, d = int8.prepare(p), _c(p.d, np.float32)
-            m = None if p.m is None else _c(p.m, np.float32)
-            s = Weight(_addr(qv), _addr(d), None if m is None else _addr(m), qv.shape[0], d.shape[1], p.tile, p.k)
-            held = _Held(s, (qv, d, m))
+            held = self.weight_from(int8.prepare(p), p.d, int8.NO_MINS if p.m is None else p.m)
             p.cw = {**(p.cw or {}), "i8": held}
         return held
 
@@ -300,8 +298,8 @@ class Library:
         return _Held(s, (norms, bqkv, qk, parts))
 
     def weight_from(self, qv, d, m):
-        """A Weight over int8.prepare's arrays (qv, d, m: an empty m for q8 units)."""
-        d = _c(d, np.float32)
+        """A Weight over int8.prepare's arrays (qv, d, m: int8.NO_MINS, empty, for q8 units)."""
+        d, m = _c(d, np.float32), _c(m, np.float32)
         T, nu, R = d.shape
         per = 32 if m.shape[0] else qv.shape[3] * 4      # q4 blocks of 32, q8 units of 4 bytes a quad
         K = nu * per

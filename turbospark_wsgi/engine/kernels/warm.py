@@ -96,29 +96,19 @@ def compiling(path):
                 yield
             finally:
                 if child is not None:
-                    child.wait()
+                    children.wait(child)
             _mark(path)
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
-class _Child:
-    """A child process started by children.spawn (NOTE(gevent) there: this also runs on gevent's
-    loading thread), with `wait()`."""
-
-    def __init__(self, pid):
-        self.pid = pid
-
-    def wait(self):
-        return children.wait(self.pid)
-
-
 def _start(group, path):
-    """The child process compiling `group` into the cache, or None where it cannot start."""
+    """The pid of the child process compiling `group` into the cache, or None where it cannot start
+    (children.spawn: this also runs on gevent's loading thread)."""
     try:
         with open(os.devnull, "wb") as null:
-            return _Child(children.spawn([sys.executable, "-m", "turbospark_wsgi.engine.kernels.warm", group, path],
-                                       null.fileno()))
+            return children.spawn([sys.executable, "-m", "turbospark_wsgi.engine.kernels.warm", group, path],
+                                  null.fileno())
     except OSError:
         return None
 
