@@ -415,6 +415,12 @@ ALWAYS vf vf_update(vf acc, const float *d, float s, vi dots, const float *m, fl
 }
 #endif
 
+/* sum(q_a) over the activations of the unit starting at k0 (`per` 32 or 16 wide), from one row's
+ * half-block sums: what the VNNI paths take 128 times off a q8 unit's biased dot */
+static inline int32_t unit_qsum(const int32_t *qsum_row, i64 k0, i64 per) {
+    return qsum_row[k0 / 16] + (per == 32 ? qsum_row[k0 / 16 + 1] : 0);
+}
+
 /* The int8 product of rows i of tile t for NC chunks of 16 output rows at once (NC = R/16), every
  * chunk's 16 sums kept in registers across the units: per unit u and output row,
  * acc += (d_u * d_a) * dot, then for q4 acc += m_u * xs (the min term on the rounded activations:
@@ -433,7 +439,7 @@ ALWAYS vf vf_update(vf acc, const float *d, float s, vi dots, const float *m, fl
                 const float *du = w->d + (t * nu + u) * R;                                                        \
                 const float *mu = NIB ? w->m + (t * nu + u) * R : NULL;                                           \
                 const int8_t *a = q + i * K + k0;                                                                 \
-                const int32_t qs = qsum[i * (K / 16) + k0 / 16] + (per == 32 ? qsum[i * (K / 16) + k0 / 16 + 1] : 0); \
+                const int32_t qs = unit_qsum(qsum + i * (K / 16), k0, per);                                      \
                 const float s = da[i * (K / 32) + k0 / 32], x = NIB ? xs[i * (K / 32) + u] : 0.0f;                 \
                 _Pragma("GCC unroll 8") for (int c = 0; c < NC; c++)                                              \
                     acc[c] = vf_update(acc[c], du + 16 * (c0 + c), s, unit_dot(base + (c0 + c) * chunk, a, QUADS,   \
@@ -483,7 +489,7 @@ void ts_unit_dots(const ts_weight *w, const int8_t *q, const int32_t *qsum, i64 
         for (i64 t = 0; t < T; t++)
             for (i64 u = 0; u < nu; u++) {
                 const i64 k0 = u * per;
-                const int32_t qs = qsum[i * (K / 16) + k0 / 16] + (per == 32 ? qsum[i * (K / 16) + k0 / 16 + 1] : 0);
+                const int32_t qs = unit_qsum(qsum + i * (K / 16), k0, per);
                 for (i64 c = 0; c < R / LANES; c++)
                     vi_store(out + ((i * T + t) * nu + u) * R + c * LANES,
                              unit_dot(w->qv + (t * nu + u) * step + c * chunk, q + i * K + k0, quads, nib, qs));
@@ -709,16 +715,10 @@ static float vector(const float *qv, const kvset *c, i64 s, i64 g, i64 a, i64 b,
     const i64 D = c->D, bytes = D * (c->half ? 2 : 4), stride = c->G * bytes;
     /* key j's row at kb + j * stride (prefetching past the buffer's end never faults) */
     const char *kb = (const char *)kv_row(c, s, 0, 0, g), *vb = (const char *)kv_row(c, s, 1, 0, g);
-    if (c->half)
-        for (i64 j = a; j < b; j++) {
-            prefetch_row(kb + (j + AHEAD) * stride, bytes);
-            sc[j - a] = dot_row(qv, kb + j * stride, 1, D);
-        }
-    else
-        for (i64 j = a; j < b; j++) {
-            prefetch_row(kb + (j + AHEAD) * stride, bytes);
-            sc[j - a] = dot_row(qv, kb + j * stride, 0, D);
-        }
+    for (i64 j = a; j < b; j++) {
+        prefetch_row(kb + (j + AHEAD) * stride, bytes);
+        sc[j - a] = dot_row(qv, kb + j * stride, c->half, D);
+    }
     float m = sc[0];
     for (i64 j = 1; j < b - a; j++) m = sc[j] > m ? sc[j] : m;
     exp_shifted(sc, b - a, m);
