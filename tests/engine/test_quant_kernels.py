@@ -54,6 +54,30 @@ def make(qtype, n, k32, seed=0, tile=quant.DEFAULT_TILE):
     return quant.pack(quant.decode(raw, GT[qtype].value, (n, k)), tile=tile), reference(raw, qtype, n, k)
 
 
+def extreme_rows(k, rng):
+    """Five activation rows of width k; rows of one large value (q_a = +-127 in every byte where the
+    weight is largest) are where vpmaddubsw would saturate without the sign trick."""
+    x = rng.standard_normal((5, k)).astype(np.float32)
+    x[1] = 3.0
+    x[2] = -3.0
+    x[3, ::2] = -5.0
+    return x
+
+
+def minus_128_weight():
+    """(Q8_0 weight, rows): q = -128 (some +127 beside) times q_a = +-127 in every byte, the largest
+    products an 8-bit unit can hold."""
+    n, k = 32, 64
+    raw = np.zeros((n, k // 32, 34), np.uint8)
+    raw[..., :2] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
+    raw[..., 2:] = 0x80                                                # int8 -128
+    raw[::2, :, 2::3] = 0x7F                                           # some +127 beside them
+    w = quant.pack(quant.decode(raw.reshape(n, -1), GT.Q8_0.value, (n, k)), tile=32)
+    x = np.where(np.arange(k) % 5 == 0, -1.0, 1.0).astype(np.float32)[None].repeat(3, 0)
+    x[2] *= -1
+    return w, x
+
+
 def close(y, ref):
     scale = max(1.0, float(np.abs(ref).max()))
     np.testing.assert_allclose(y, ref, rtol=1e-4, atol=1e-4 * scale)
@@ -119,14 +143,9 @@ def test_int8_rows_do_not_depend_on_the_rows_beside_them(qtype):
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0", "Q6_K", "Q4_K"])
 def test_every_instruction_path_gives_the_integer_products_exactly(qtype, path):
     """Each path this CPU can run (isa.runnable) against the numpy reference of the same integer
-    products. Rows of extreme activations: a block of one large value (q_a = +-127 everywhere the
-    weight is largest) is where vpmaddubsw would saturate without the sign trick."""
+    products, on rows of extreme activations (extreme_rows)."""
     w, ref = make(qtype, 64, 8)
-    rng = np.random.default_rng(11)
-    x = rng.standard_normal((5, ref.shape[1])).astype(np.float32)
-    x[1] = 3.0
-    x[2] = -3.0
-    x[3, ::2] = -5.0
+    x = extreme_rows(ref.shape[1], np.random.default_rng(11))
     y = kernels_cpu.qmatmul(x, w, activations="int8", isa=path)
     close(y, kernels_q8.matmul_ref(x, w))                 # float64 sums in the reference
     # the same integers, so the same float steps: bit for bit the generic path's result
@@ -137,15 +156,7 @@ def test_every_instruction_path_gives_the_integer_products_exactly(qtype, path):
 @pytest.mark.parametrize("path", isa.runnable())
 def test_q8_weights_at_minus_128_do_not_saturate_any_path(path):
     """q = -128 times q_a = +-127 in every byte: the largest products an 8-bit unit can hold."""
-    n, k = 32, 64
-    raw = np.zeros((n, k // 32, 34), np.uint8)
-    raw[..., :2] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
-    raw[..., 2:] = 0x80                                                # int8 -128
-    raw[::2, :, 2::3] = 0x7F                                           # some +127 beside them
-    raw = raw.reshape(n, -1)
-    w = quant.pack(quant.decode(raw, GT.Q8_0.value, (n, k)), tile=32)
-    x = np.where(np.arange(k) % 5 == 0, -1.0, 1.0).astype(np.float32)[None].repeat(3, 0)
-    x[2] *= -1
+    w, x = minus_128_weight()
     y = kernels_cpu.qmatmul(x, w, activations="int8", isa=path)
     close(y, kernels_q8.matmul_ref(x, w))
     assert np.array_equal(y, kernels_cpu.qmatmul(x, w, activations="int8", isa="generic"))
