@@ -136,12 +136,12 @@ NGINX_PROXY = """
 class RawStream:
     """One streaming POST on a raw connection, read line by line with arrival times; abort() leaves."""
 
-    def __init__(self, base_url, path, body, timeout=120.0):
+    def __init__(self, base_url, path, body, timeout=120.0, headers=None):
         host, port = base_url.rsplit("//", 1)[1].split(":")
         self.conn = http.client.HTTPConnection(host, int(port), timeout=timeout)
         self.started = time.perf_counter()
         self.conn.request("POST", path, body=json.dumps(body),
-                          headers={"Content-Type": "application/json", "Authorization": "Bearer x"})
+                          headers={"Content-Type": "application/json", "Authorization": "Bearer x", **(headers or {})})
         self.resp = self.conn.getresponse()
         self.status = self.resp.status
         self.lines = []            # (seconds since start, line without the newline)
