@@ -28,7 +28,7 @@ def build_parser():
                    help=f"one of: {', '.join(sorted(pulling.SOURCES))} (default %(default)s)")
     _models_dir_arg(p)
     p.add_argument("--quiet", action="store_true", help="no progress output")
-    _models_dir_arg(sub.add_parser("models", help="list installed models (id, size, path)"))
+    _models_dir_arg(sub.add_parser("models", help="list installed models (id, size, path, routes, weight storage, chat template)"))
     _check_parser(sub.add_parser("check", help="run one prompt through the engine, no HTTP"))
     p = sub.add_parser("warm", help="build the CPU kernels a model needs into the kernel cache (the C "
                                     "kernels, or numba's; e.g. at a container image's build), then exit")
@@ -147,6 +147,7 @@ def cmd_pull(args):
 
 
 def cmd_models(args):
+    from .engine.engine import chat_template_status
     from .engine.loader import weight_storage
     from .serving.registry import is_embedding_model, model_capabilities
 
@@ -155,8 +156,9 @@ def cmd_models(args):
         print(f"no models in {models_dir(args)}; try `turbospark pull`", file=sys.stderr)
     for model_id, size, path in rows:
         kind = "embedding" if is_embedding_model(str(path)) else "generation"
+        template = chat_template_status(str(path)) if kind == "generation" else ""
         print(f"{model_id}\t{size / 2**20:.1f} MiB\t{path}\t{','.join(model_capabilities(kind))}\t"
-              f"{weight_storage(str(path))}")
+              f"{weight_storage(str(path))}\t{template}")
     if rows:
         # on stderr: stdout stays one tab-separated row per model, for scripts
         print(f"CPU kernels (TURBOSPARK_ACTIVATIONS, TURBOSPARK_INT8_ISA): {_kernels()}", file=sys.stderr)

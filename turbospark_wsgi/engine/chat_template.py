@@ -7,7 +7,9 @@ from datetime import datetime
 import jinja2
 from jinja2 import nodes
 from jinja2.ext import Extension, loopcontrols
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from . import template_budget
+from .template_budget import BoundedEnvironment, Budget, BudgetExceeded, Limits
 
 # ChatML, used when a model ships no template. Content may be a string or a list of text parts.
 CHATML_TEMPLATE = (
@@ -83,12 +85,31 @@ _DIGIT0, _BASE = 0xFDD2, 30
 
 class TemplateError(ValueError):
     """The template refused the conversation (`raise_exception`) or failed to render it; `param` is
-    the request field to blame."""
+    the request field to blame, `code` the error's code (None: a plain invalid request)."""
+
+    code = None
+    refused = False     # the template's own `raise_exception`: it does not take this conversation
 
     def __init__(self, message, param="messages"):
         super().__init__(message)
         self.message = message
         self.param = param
+
+
+class TemplateRefused(TemplateError):
+    refused = True
+
+
+class TemplateOverBudget(TemplateError):
+    """The template passed its render budget (steps, sizes or time): the model file's fault."""
+
+    code = "chat_template_over_budget"
+
+
+class TemplateUnusable(TemplateError):
+    """The model's template failed the probe at load: its chat routes are refused."""
+
+    code = "chat_template_unusable"
 
 
 class ClientText:
@@ -191,7 +212,7 @@ class _GenerationTag(Extension):
 
 
 def _raise_exception(message):
-    raise TemplateError(str(message))
+    raise TemplateRefused(str(message))
 
 
 def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
@@ -210,9 +231,9 @@ def _strftime_now(fmt):
 
 @functools.lru_cache(maxsize=1)
 def _environment():
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[_GenerationTag, loopcontrols])
+    env = BoundedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, loopcontrols])
     env.filters["tojson"] = _tojson
+    env.bound_filters()
     env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now)
     return env
 
@@ -220,9 +241,14 @@ def _environment():
 @functools.lru_cache(maxsize=32)
 def _compile(source):
     try:
-        return _environment().from_string(source)
+        with Budget().active():
+            return _environment().from_string(source)
     except jinja2.TemplateSyntaxError as exc:
         raise TemplateError(f"chat template does not compile: {exc}") from None
+    except BudgetExceeded as exc:
+        raise TemplateOverBudget(f"chat template refused: {exc}") from None
+    except RecursionError:
+        raise TemplateOverBudget("chat template does not compile: it nests too deeply") from None
 
 
 def _plain_messages(messages):
@@ -242,18 +268,59 @@ class ChatTemplate:
     """A model's chat template, compiled once; `render` turns messages into the prompt text.
 
     `special_tokens` are the vocabulary's special-token strings: in client values they stay text.
+    Every render runs within `limits` (template_budget.Limits: steps, sizes, seconds); `probe()`
+    renders sample conversations once, as a load does, and a template that fails it (over budget,
+    unsafe, or unable to render a user's message) refuses every later render with TemplateUnusable.
+    `name` is the model's, for the messages.
     """
 
-    def __init__(self, source=None, bos_token=None, eos_token=None, special_tokens=()):
+    def __init__(self, source=None, bos_token=None, eos_token=None, special_tokens=(), *,
+                 limits=Limits(), name="the model"):
         self.source = source or CHATML_TEMPLATE
         self.bos_token, self.eos_token = bos_token, eos_token
+        self.limits, self.name = limits, name
+        self.problem = None         # why the probe refused it; None while usable
         self._template = _compile(self.source)
         self._client = ClientText(special_tokens)
 
     @classmethod
-    def fallback(cls, bos_token=None, eos_token=None, special_tokens=()):
+    def fallback(cls, bos_token=None, eos_token=None, special_tokens=(), **options):
         """The ChatML template, for a model that ships none."""
-        return cls(CHATML_TEMPLATE, bos_token, eos_token, special_tokens)
+        return cls(CHATML_TEMPLATE, bos_token, eos_token, special_tokens, **options)
+
+    @classmethod
+    def checked(cls, source=None, bos_token=None, eos_token=None, special_tokens=(), **options):
+        """A probed ChatTemplate (`problem` says why it is unusable), or one that refuses every render
+        with why its source cannot compile (or is not text)."""
+        try:
+            if source is not None and not isinstance(source, str):
+                raise TemplateError(f"the chat template is {type(source).__name__}, not text")
+            template = cls(source, bos_token, eos_token, special_tokens, **options)
+        except TemplateError as exc:
+            template = cls.fallback(bos_token, eos_token, special_tokens, **options)
+            template.problem = exc.message
+            if isinstance(source, str):
+                template.source = source
+            return template
+        template.probe()
+        return template
+
+    def probe(self):
+        """Renders the probe conversations (a user's message; with a system message; several turns;
+        with tools) under the budget. A template may refuse a conversation it does not support
+        (`raise_exception`), except the plain user's message; one over budget, unsafe, or failing
+        otherwise sets `problem`. Returns `problem`."""
+        for i, (messages, tools) in enumerate(PROBES):
+            try:
+                self.render_guarded(messages, tools)
+            except TemplateOverBudget as exc:
+                self.problem = exc.message
+            except TemplateError as exc:
+                if i == 0 or not exc.refused:
+                    self.problem = exc.message
+            if self.problem:
+                break
+        return self.problem
 
     def render(self, messages, tools=None, add_generation_prompt=True, **kwargs):
         """The prompt text for `messages` (plain dicts). Raises TemplateError on a refusal or failure."""
@@ -262,6 +329,9 @@ class ChatTemplate:
     def render_guarded(self, messages, tools=None, add_generation_prompt=True, template_kwargs=None):
         """(prompt text, [(start, end)] spans of the special-token strings that came from `messages`,
         `tools` or `template_kwargs`, for the tokenizer to encode as text). Raises TemplateError."""
+        if self.problem is not None:
+            raise TemplateUnusable(f"The chat template of {self.name} was refused when it loaded ({self.problem}); "
+                                   f"its chat routes are off, /v1/completions still serves it", param="model")
         kwargs = dict(template_kwargs or {})
         _check_kwargs(kwargs)
         try:
@@ -271,19 +341,56 @@ class ChatTemplate:
         context = {"bos_token": self.bos_token or "", "eos_token": self.eos_token or "", "documents": None,
                    **kwargs, "messages": messages, "tools": tools, "add_generation_prompt": add_generation_prompt}
         try:
-            text = self._render(context)
+            with Budget(self.limits, _input_size(context)).active():
+                text = self._render(context)
         except TemplateError as exc:     # its message may quote client text
-            raise TemplateError(self._client.restore(exc.message)[0], exc.param) from None
+            raise type(exc)(self._client.restore(exc.message)[0], exc.param) from None
         return self._client.restore(text)
 
     def _render(self, context):
         try:
-            return self._template.render(**context)
+            return template_budget.render(self._template, context)
         except TemplateError:
             raise
+        except BudgetExceeded as exc:
+            raise TemplateOverBudget(f"the chat template of {self.name} passed its render budget: {exc}",
+                                     param="model") from None
+        except RecursionError:
+            raise TemplateError("chat template failed: the request or the template nests too deeply") from None
         except jinja2.TemplateError as exc:   # includes SecurityError and UndefinedError
             raise TemplateError(f"chat template failed: {exc.message or type(exc).__name__}") from None
-        except (TypeError, ValueError, KeyError, IndexError) as exc:   # e.g. a message shape it can't take
+        except Exception as exc:    # noqa: BLE001 - the template is the model file's code: any failure is its own
             raise TemplateError(f"chat template failed: {type(exc).__name__}: {exc}") from None
-        except RecursionError:
-            raise TemplateError("chat template failed: the request nests too deeply") from None
+
+
+def template_limits(max_context):
+    """A model's render limits: strings and output up to 64 characters a token of its context (no
+    prompt that long fits in the context), at least 1 MiB of them."""
+    return Limits(chars=max(1 << 20, 64 * max_context))
+
+
+def _input_size(value, depth=0):
+    """Characters and items in a conversation's strings and containers (what a fair template's work
+    grows with)."""
+    if isinstance(value, str):
+        return len(value)
+    if depth > 64:
+        return 0
+    if isinstance(value, dict):
+        return len(value) + sum(_input_size(k, depth + 1) + _input_size(v, depth + 1) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return len(value) + sum(_input_size(v, depth + 1) for v in value)
+    return 1
+
+
+_WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+# The load-time probe's conversations: (messages, tools). The first must render.
+PROBES = (
+    ([{"role": "user", "content": "Hello!"}], None),
+    ([{"role": "system", "content": "You are a helpful assistant."}, {"role": "user", "content": "Hello!"}], None),
+    ([{"role": "user", "content": "What is 2 + 2?"}, {"role": "assistant", "content": "4."},
+      {"role": "user", "content": "And 3 + 3?"}], None),
+    ([{"role": "user", "content": "What is the weather in Paris?"}], [_WEATHER]),
+)

@@ -1,16 +1,18 @@
 """Engine: one loaded model, its tokenizer and chat template, and the scheduler that batches its runs
 over a prefix cache of up to `max_batch` + `max_paused` KV caches."""
+import os
 from pathlib import Path
 
 import numpy as np
 
-from .chat_template import ARCH_TEMPLATES, ChatTemplate
+from .chat_template import ARCH_TEMPLATES, ChatTemplate, template_limits
 from .constraints import ConstraintCompiler, ThinkingBudget
 from .draft import load_draft
 from .encoder import normalize
 from .events import Finish
 from .scheduler import Scheduler
 from .speculative import ROW_COST, SpeculativeOptions
+from .gguf import read_metadata
 from .loader import load_model
 from .options import EngineOptions, resolve
 from .tokenizer import Tokenizer
@@ -31,6 +33,23 @@ def load_engine(path, options=None, *, name=None, **overrides):
     else:
         tokenizer = Tokenizer.from_hf_dir(path)
     return Engine(loaded, tokenizer, options, name=name)
+
+
+def chat_template_status(path):
+    """What a generation model's chat template does under the load's probe, read from its files
+    without loading the weights: "chat template: ok", "chat template refused: <why>", or "" where
+    the files cannot say (unreadable, no tokenizer)."""
+    try:
+        if os.path.isfile(path):
+            meta = read_metadata(path)
+            tokenizer, arch = Tokenizer.from_gguf_metadata(meta), meta.get("general.architecture")
+        else:
+            tokenizer, arch = Tokenizer.from_hf_dir(path), None
+    except (OSError, ValueError, KeyError):
+        return ""
+    template = ChatTemplate.checked(tokenizer.chat_template or ARCH_TEMPLATES.get(arch), tokenizer.bos_token,
+                                    tokenizer.eos_token, tokenizer.special_tokens, name=f"model '{_model_id(path)}'")
+    return "chat template: ok" if template.problem is None else f"chat template refused: {template.problem}"
 
 
 class Engine:
@@ -54,9 +73,12 @@ class Engine:
         cap = self.config.max_seq_len
         self.max_context = min(cap, options.max_context) if options.max_context else cap
         self.prefill_chunk = options.prefill_chunk
-        # NOTE(template): no template shipped means the architecture's own (Gemma 3), else ChatML.
-        self.template = ChatTemplate(tokenizer.chat_template or ARCH_TEMPLATES.get(self.config.arch),
-                                     tokenizer.bos_token, tokenizer.eos_token, tokenizer.special_tokens)
+        # NOTE(template): no template shipped means the architecture's own (Gemma 3), else ChatML. It is
+        # the model file's code: probed here under its render budget, and refused (chat routes off,
+        # `template.problem` says why) when it fails.
+        self.template = ChatTemplate.checked(tokenizer.chat_template or ARCH_TEMPLATES.get(self.config.arch),
+                                             tokenizer.bos_token, tokenizer.eos_token, tokenizer.special_tokens,
+                                             limits=template_limits(self.max_context), name=f"model '{self.name}'")
         self._constraints = ConstraintCompiler(tokenizer, self.config.vocab_size)
         self.max_batch = options.max_batch
         self.pooling = _pooling(loaded)

@@ -25,6 +25,7 @@ import time
 
 from ..engine import yielding
 
+OFF_HUB_THREADS = 4         # gevent only: templates rendering at once, each within its own time budget
 ASIDE_THREADS = 2           # NOTE(aside): a job past its caller's limit runs on; at most this many at once
 # NOTE(fork): held only for the few microseconds it takes to build the executor, never across a
 # cooperative switch, so a lock made before gevent patches (preload_app) cannot deadlock the hub.
@@ -155,6 +156,15 @@ def _niced(fn, *args):
     return fn(*args)
 
 
+def off_hub(fn, *args, **kwargs):
+    """`fn(*args, **kwargs)` where it cannot stall other requests: under gevent on a native thread of
+    a small pool (the caller's greenlet waits; the hub runs on), elsewhere in the calling thread,
+    which is already one of its own."""
+    if not gevent_patched():
+        return fn(*args, **kwargs)
+    return _off_hub.get().submit(fn, *args, **kwargs).result()
+
+
 def executor():
     """The process-wide single-thread executor, created on first use after fork."""
     return _compute.get()
@@ -185,6 +195,7 @@ def _make_compute():
 
 _compute = _PerProcess(_make_compute)
 _aside = _PerProcess(lambda: _make_executor(ASIDE_THREADS, "turbospark-aside"))
+_off_hub = _PerProcess(lambda: _make_executor(OFF_HUB_THREADS, "turbospark-off-hub"))
 
 
 def gevent_patched():

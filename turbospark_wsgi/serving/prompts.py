@@ -36,10 +36,13 @@ class Prompts:
         elif plan is not None:
             try:
                 # NOTE(kwargs): one dict, never **-spread: a key named like a parameter is the engine's to refuse.
-                ids = engine.apply_chat_template(plan.messages, tools=plan.tools,
-                                                 template_kwargs=req.chat.template_kwargs)
+                # NOTE(template): the model's template is code from its file, rendered within its budget
+                # (engine/template_budget.py) and off gevent's hub, so a slow one delays only this request.
+                ids = compute.off_hub(engine.apply_chat_template, plan.messages, tools=plan.tools,
+                                      template_kwargs=req.chat.template_kwargs)
             except ValueError as e:
-                raise InvalidRequest(str(e), param=getattr(e, "param", None) or "messages") from e
+                raise InvalidRequest(str(e), param=getattr(e, "param", None) or "messages",
+                                     code=getattr(e, "code", None)) from e
             if plan.assistant_prefix:
                 # NOTE(prefix): the forced tool-call opening is server markup (Mistral's [TOOL_CALLS] is a
                 # control token); the only client text in it is a tool name, checked to [A-Za-z0-9_.-].

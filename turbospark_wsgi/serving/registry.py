@@ -31,6 +31,7 @@ class ModelInfo:
     created: int
     alias_of: str | None = None     # the installed id an alias points at
     kind: str = "generation"        # "embedding": a sentence-transformers encoder (/v1/embeddings only)
+    chat_template: dict | None = None   # a loaded generator's: {"usable": bool, "reason"?: why not}
 
     @property
     def capabilities(self):
@@ -168,8 +169,15 @@ class Registry:
         return self._config.model
 
     def list(self):
-        """The catalogue's models (Catalog.list), each saying whether it is loaded now."""
-        return self.catalog.list(self._engines)
+        """The catalogue's models (Catalog.list), each saying whether it is loaded now and, once
+        loaded, whether its chat template passed the load's probe."""
+        infos = self.catalog.list(self._engines)
+        for info in infos:
+            entry = self._engines.get(os.path.realpath(info.path))
+            template = getattr(entry.engine, "template", None) if entry is not None else None
+            if template is not None:
+                info.chat_template = template_status(template)
+        return infos
 
     def find(self, name):
         return self.catalog.find(name)
@@ -243,6 +251,10 @@ class Registry:
             raise ModelLoadError(_load_failed(name, self._failures[key][1])) from e
         log.info("loaded %s from %s (backend %s%s)", name, key, engine.backend,
                  f"; kernels: {engine.kernels}" if getattr(engine, "kernels", "") else "")
+        problem = getattr(getattr(engine, "template", None), "problem", None)
+        if problem:
+            log.warning("%s: its chat template was refused (%s); chat routes are off for it, "
+                        "/v1/completions serves it", name, problem)
         metrics.record_model_load(model_id, True, time.monotonic() - started)
         if _freeze_after_load:
             freeze_heap()
@@ -330,6 +342,12 @@ def freeze_heap():
     gc.unfreeze()
     gc.collect()
     gc.freeze()
+
+
+def template_status(template):
+    """/v1/models' `chat_template` of a loaded model: whether chat routes serve it, and why not."""
+    problem = getattr(template, "problem", None)
+    return {"usable": True} if problem is None else {"usable": False, "reason": problem}
 
 
 def model_capabilities(kind):

@@ -25,7 +25,9 @@ class Model:
 
 def _model(info):
     """The OpenAI model object plus `loaded` (whether it is in memory now), `kind` (generation or
-    embedding: what the model is) and `capabilities` (the routes it serves: a generation model
-    embeds too)."""
+    embedding: what the model is), `capabilities` (the routes it serves: a generation model
+    embeds too) and, for a loaded generation model, `chat_template` (whether its template passed
+    the load's probe: `usable`, and the `reason` where it did not)."""
+    extra = {"chat_template": info.chat_template} if info.chat_template is not None else {}
     return dict(openai.model_object(info), loaded=info.loaded, kind=info.kind,
-                capabilities=list(info.capabilities))
+                capabilities=list(info.capabilities), **extra)

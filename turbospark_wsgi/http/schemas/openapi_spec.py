@@ -163,7 +163,9 @@ _SCHEMAS = {
     "Model": {"type": "object", "required": ["id", "object", "created", "owned_by"],
               "properties": {"id": _STR, "object": {"const": "model"}, "created": _INT, "owned_by": _STR,
                              "loaded": _BOOL, "kind": {"enum": ["generation", "embedding"]},
-                             "capabilities": {"type": "array", "items": {"enum": ["generation", "embedding"]}}}},
+                             "capabilities": {"type": "array", "items": {"enum": ["generation", "embedding"]}},
+                             "chat_template": {"type": "object", "required": ["usable"],
+                                               "properties": {"usable": _BOOL, "reason": _STR}}}},
     "EmbeddingRequest": {"type": "object", "required": ["input"], "properties": {
         "model": _STR, "user": _STR, "dimensions": {"type": "integer", "minimum": 1,
                                                     "description": "only for models trained for it (Matryoshka)"},
