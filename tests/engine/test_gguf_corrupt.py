@@ -227,9 +227,15 @@ def test_metadata_values_that_cannot_describe_a_model_are_named(tiny_bytes, tmp_
     assert_load_error(tmp_path / "bad.gguf", data, key.split(".", 1)[1].replace(".", r"\."))
 
 
-def test_a_huge_layer_count_fails_fast_at_the_first_missing_layer(tiny_bytes, tmp_path):
+def test_a_large_layer_count_fails_fast_at_the_first_missing_layer(tiny_bytes, tmp_path):
     at = layout(tiny_bytes)["kv"]["llama.block_count"]["value_at"]
-    assert_load_error(tmp_path / "bad.gguf", put(tiny_bytes, at, "<I", 2 ** 31), r"lacks tensor 'blk\.2\.")
+    assert_load_error(tmp_path / "bad.gguf", put(tiny_bytes, at, "<I", 4096), r"lacks tensor 'blk\.2\.")
+
+
+def test_a_layer_count_past_any_model_is_refused_before_a_list_is_built_per_layer(tiny_bytes, tmp_path):
+    at = layout(tiny_bytes)["kv"]["llama.block_count"]["value_at"]
+    assert_load_error(tmp_path / "bad.gguf", put(tiny_bytes, at, "<I", 2 ** 31),
+                      r"block_count' must be an integer from 1 to 4096")
 
 
 def test_a_config_that_disagrees_with_the_tensors_is_named(tiny_hf_dir):

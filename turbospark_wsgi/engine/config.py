@@ -1,5 +1,11 @@
 from dataclasses import dataclass, field
 
+# The largest count a model file may give a size: a layer count, a width, a vocabulary. Far past any
+# model there is (126 layers, widths of 2**15, vocabularies of 2**18), and small enough that lists
+# built per layer or per head before the tensors are checked cannot take the process's memory.
+MAX_LAYERS = 4096
+MAX_COUNT = 1 << 31
+
 # ModelConfig.arch -> what sets the family apart from llama, as ModelConfig fields. The forward pass
 # is one; an architecture is these switches plus the tensors its weight table adds.
 ARCH_FEATURES = {

@@ -12,14 +12,13 @@ numpy, float32, CPU. The directory holds model.safetensors, config.json, tokeniz
 modules.json and 1_Pooling/config.json (the files sentence-transformers writes).
 """
 import contextlib
-import json
 import os
 
 import numba
 import numpy as np
 from tokenizers import Tokenizer
 
-from . import yielding
+from . import model_json, yielding
 from .options import EngineOptions
 from .safetensors_io import SafetensorsFile
 
@@ -76,7 +75,10 @@ class Encoder:
         self.max_context = self.max_tokens      # what /health reports for any model
         self.dim = self.hidden
         self.matryoshka = _declares_matryoshka(path)
-        self.tokenizer = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
+        try:
+            self.tokenizer = model_json.tokenizer_from_file(os.path.join(path, "tokenizer.json"), Tokenizer)
+        except ValueError as exc:
+            raise EncoderError(str(exc)) from None
         # NOTE(tokenizer): truncation and padding here are ours to do (limits are checked, not cut)
         self.tokenizer.no_truncation()
         self.tokenizer.no_padding()
@@ -340,10 +342,9 @@ def _read_json(path, name, default=None):
     if default is not None and not os.path.isfile(file):
         return default
     try:
-        with open(file, encoding="utf-8") as f:
-            return json.load(f)
+        return model_json.loads(model_json.read_text(file, name), name)
     except ValueError as exc:
-        raise EncoderError(f"{name}: not valid JSON ({exc})") from None
+        raise EncoderError(str(exc)) from None
 
 
 def _pooling(path):

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .config import ModelConfig
+from .config import MAX_COUNT, MAX_LAYERS, ModelConfig
 
 GGUF_MAGIC = b"GGUF"
 
@@ -324,12 +324,12 @@ def model_config_from_gguf(metadata):
             raise ValueError(f"GGUF metadata lacks required key '{arch}.{name}'")
         return value
 
-    def count(name, default=KeyError, least=1):
+    def count(name, default=KeyError, least=1, most=MAX_COUNT - 1):
         value = key(name, default)
         if isinstance(value, list):   # per-layer arrays: only uniform ones are supported
             value = _uniform(value, name)
-        if not isinstance(value, int) or isinstance(value, bool) or value < least:
-            raise ValueError(f"GGUF metadata '{arch}.{name}' must be an integer of at least {least}, "
+        if not isinstance(value, int) or isinstance(value, bool) or not least <= value <= most:
+            raise ValueError(f"GGUF metadata '{arch}.{name}' must be an integer from {least} to {most}, "
                              f"not {short_repr(value)}")
         return value
 
@@ -350,7 +350,7 @@ def model_config_from_gguf(metadata):
         raise ValueError(f"GGUF metadata lacks '{arch}.vocab_size' and tokenizer.ggml.tokens")
     max_seq = count("context_length", 2048)
     cfg = ModelConfig(
-        arch=_ARCHITECTURES[arch], n_layer=count("block_count"), dim=count("embedding_length"),
+        arch=_ARCHITECTURES[arch], n_layer=count("block_count", most=MAX_LAYERS), dim=count("embedding_length"),
         n_head=n_head, n_kv_head=n_kv_head, ffn_dim=count("feed_forward_length"), vocab_size=vocab,
         max_seq_len=max_seq, rope_theta=number("rope.freq_base", 10000.0, 1e-9),
         norm_eps=number("attention.layer_norm_rms_epsilon", 1e-5),

@@ -1,5 +1,4 @@
 """load_model: a .gguf file or a Hugging Face directory -> config, weights on the device, Transformer."""
-import json
 import os
 from dataclasses import dataclass
 
@@ -8,6 +7,7 @@ from .config import ModelConfig
 from .kernels import cpu as kernels_cpu, warm
 from .gguf import GGUFFile, ggml_type_name, model_config_from_gguf
 from .model import Transformer
+from .model_json import read_object
 from .options import apply, kernel_plan, resolve
 from .safetensors_io import SafetensorsDir, model_config_from_hf
 from .weights import layer_shapes, load_quantized_weights, load_weights, tensor_name
@@ -146,17 +146,7 @@ def _open_hf(directory):
 
 def _read_json(directory, name):
     """A JSON object from `directory`/`name`, None when the file is absent."""
-    path = os.path.join(directory, name)
-    if not os.path.exists(path):
-        return None
-    try:
-        with open(path, encoding="utf-8") as f:
-            value = json.load(f)
-    except ValueError as e:   # bad JSON or bad UTF-8
-        raise ValueError(f"{name} is not valid JSON ({e})") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"{name} is not a JSON object")
-    return value
+    return read_object(os.path.join(directory, name), name)
 
 
 def _check_shapes(cfg, source, kind):

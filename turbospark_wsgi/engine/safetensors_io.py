@@ -1,12 +1,12 @@
 """Hugging Face model directories: safetensors tensors (JSON header + memory map) and config.json."""
-import json
 import math
 import os
 import struct
 
 import numpy as np
 
-from .config import ModelConfig
+from . import model_json
+from .config import MAX_COUNT, MAX_LAYERS, ModelConfig
 from .gguf import short_repr, widen_bf16
 
 _DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}
@@ -46,9 +46,9 @@ class SafetensorsFile:
         if len(raw) != n:
             raise self._error("truncated safetensors file (header ends early)")
         try:
-            header = json.loads(raw)
+            header = model_json.loads(raw, "the safetensors header")
         except ValueError as exc:
-            raise self._error(f"bad safetensors header ({exc})") from None
+            raise self._error(f"bad safetensors header: {exc}") from None
         if not isinstance(header, dict):
             raise self._error("corrupt safetensors file: the header is not a JSON object")
         header.pop("__metadata__", None)
@@ -140,8 +140,7 @@ class SafetensorsDir:
 def _shards(index):
     """The shard file names an index lists: plain names inside the model directory, each present."""
     try:
-        with open(index, encoding="utf-8") as f:
-            weight_map = json.load(f)["weight_map"]
+        weight_map = model_json.read_object(index, INDEX_FILE)["weight_map"]
         files = sorted(set(weight_map.values()))
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise ValueError(f"{INDEX_FILE} lacks a weight_map of tensor names to files "
@@ -172,14 +171,14 @@ def model_config_from_hf(config):
         if config.get(k) and arch != "qwen2":
             raise ValueError(f"config.json {k} is set: biased {arch} projections are not supported")
 
-    def count(k, default=KeyError, least=1):
+    def count(k, default=KeyError, least=1, most=MAX_COUNT - 1):
         value = config.get(k)
         if value is None:
             if default is KeyError:
                 raise ValueError(f"config.json lacks required key {k!r}")
             return default
-        if not isinstance(value, int) or isinstance(value, bool) or value < least:
-            raise ValueError(f"config.json {k!r} must be an integer of at least {least}, not {short_repr(value)}")
+        if not isinstance(value, int) or isinstance(value, bool) or not least <= value <= most:
+            raise ValueError(f"config.json {k!r} must be an integer from {least} to {most}, not {short_repr(value)}")
         return value
 
     def number(where, k, default, least=0.0):
@@ -197,7 +196,7 @@ def model_config_from_hf(config):
     # transformers >= 5 nests Gemma 3's two rotary settings by layer type
     local_rope = rope.pop("sliding_attention", None)
     rope.update(rope.pop("full_attention", None) or {})
-    n_layer, dim, n_head = count("num_hidden_layers"), count("hidden_size"), count("num_attention_heads")
+    n_layer, dim, n_head = count("num_hidden_layers", most=MAX_LAYERS), count("hidden_size"), count("num_attention_heads")
     ffn_dim, vocab = count("intermediate_size"), count("vocab_size")
     n_kv_head = count("num_key_value_heads", 0, least=0) or n_head
     if n_head % n_kv_head:

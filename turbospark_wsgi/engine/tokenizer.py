@@ -8,6 +8,8 @@ import os
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as _Backend
 
+from . import model_json
+
 log = logging.getLogger(__name__)
 
 # GGUF token types (llama.cpp): 2 unknown, 3 control, 4 user-defined, 6 byte
@@ -88,6 +90,8 @@ class Tokenizer:
     def from_gguf_metadata(cls, meta):
         """Builds the tokenizer a GGUF file describes (`meta` from `engine.gguf.read_metadata`)."""
         model = meta.get("tokenizer.ggml.model")
+        if model in ("gpt2", "llama") and not meta.get("tokenizer.ggml.tokens"):
+            raise ValueError("the GGUF file holds no vocabulary (tokenizer.ggml.tokens is missing or empty)")
         if model == "gpt2":
             backend, kind, strip = _gguf_byte_level(meta), "byte_level", False
         elif model == "llama":
@@ -106,10 +110,7 @@ class Tokenizer:
     @classmethod
     def from_hf_dir(cls, path):
         """Builds the tokenizer of a Hugging Face model directory (`tokenizer.json` and its configs)."""
-        try:
-            backend = _Backend.from_file(os.path.join(path, "tokenizer.json"))
-        except Exception as e:   # tokenizers raises a plain Exception (naming no path)
-            raise ValueError(f"tokenizer.json cannot be read: {e}") from None
+        backend = model_json.tokenizer_from_file(os.path.join(path, "tokenizer.json"), _Backend)
         config = _read_json(os.path.join(path, "tokenizer_config.json"))
         gen = _read_json(os.path.join(path, "generation_config.json"))
         kind, strip = _decoder_kind(json.loads(backend.to_str()).get("decoder"))
@@ -364,9 +365,18 @@ def _bpe(vocab, merges, **options):
         raise ValueError(f"the GGUF tokenizer cannot be built: {e}") from None
 
 
+MAX_MERGE_WORK = 2 * 10 ** 9
+
+
 def merges_from_scores(tokens, scores):
     """BPE merges for an SPM vocabulary: every split of a token into two vocabulary pieces, best
     resulting-token score first (ties: longer left piece, then longer right piece, then file order)."""
+    # NOTE(merges-work): every split of every token is sliced: characters copied grow with the square
+    # of a token's length. Real vocabularies (Gemma's 262k) copy ~10**7; a file's long tokens may not.
+    work = sum(len(t) * len(t) for t in tokens)
+    if work > MAX_MERGE_WORK:
+        raise ValueError(f"the GGUF vocabulary's tokens are too long to derive merges from "
+                         f"(longest {max(len(t) for t in tokens):,} characters)")
     index = {t: i for i, t in enumerate(tokens)}
     found = []
     for token, score in zip(tokens, scores):
@@ -381,10 +391,7 @@ def merges_from_scores(tokens, scores):
 
 
 def _read_json(path):
-    if not os.path.exists(path):
-        return {}
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
+    return model_json.read_object(path, missing={})
 
 
 def _decoder_kind(decoder):
@@ -421,6 +428,6 @@ def _hf_chat_template(path, config):
             return f.read()
     template = config.get("chat_template") or _read_json(os.path.join(path, "chat_template.json")).get("chat_template")
     if isinstance(template, list):   # named templates: [{"name": "default", "template": "..."}, ...]
-        named = {t.get("name"): t.get("template") for t in template}
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
         template = named.get("default") or next(iter(named.values()), None)
-    return template
+    return template     # not text: ChatTemplate.checked reports it
