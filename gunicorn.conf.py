@@ -81,7 +81,7 @@ def when_ready(server):
     # NOTE(reload): gunicorn looks up `handle_hup` on the arbiter for each HUP; this one passes the
     # signal on to the workers instead of replacing them (a new worker would load the model again).
     def forward_hup():
-        server.log.info("Hang up: reloading the limits in every worker")
+        server.log.info("Hang up: reloading the limits and guardrails in every worker")
         server.kill_workers(signal.SIGHUP)
 
     server.handle_hup = forward_hup
@@ -89,7 +89,8 @@ def when_ready(server):
 
 def post_worker_init(worker):
     """SIGTERM: the queue drops its waiters with a 503 at once, then gunicorn's own handler stops
-    accepting and waits for the running generation. SIGHUP: the limits file is read again."""
+    accepting and waits for the running generation. SIGHUP: the limits and guardrails files are read
+    again (a bad file keeps the policy in force and is logged)."""
     previous = signal.getsignal(signal.SIGTERM)
     signal.signal(signal.SIGHUP, lambda signum, frame: _off_handler(_reload_limits))
     signal.siginterrupt(signal.SIGHUP, False)
@@ -108,9 +109,10 @@ def post_worker_init(worker):
 
 
 def _reload_limits():
-    from turbospark_wsgi.serving.limits import reload_all
+    from turbospark_wsgi.serving import guardrails, limits
 
-    reload_all()
+    limits.reload_all()
+    guardrails.reload_all()
 
 
 def _off_handler(fn):

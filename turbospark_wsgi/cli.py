@@ -16,7 +16,7 @@ WSGI_APP = "turbospark_wsgi.wsgi:app"
 SERVE_ENV = {dest: env_name(field) for dest, field in {
     "model": "model", "models_dir": "models_dir", "host": "host", "port": "port", "device": "device",
     "max_waiting": "max_waiting", "threads": "threads", "worker_class": "worker_class", "max_body": "max_body",
-    "max_context": "max_context", "api_key": "api_keys"}.items()}
+    "max_context": "max_context", "api_key": "api_keys", "guardrails": "guardrails"}.items()}
 
 
 def build_parser():
@@ -55,6 +55,8 @@ def _serve_parser(p):
     p.add_argument("--max-body", type=int, help="largest request body in bytes; larger get 413")
     p.add_argument("--max-context", type=int, help="cap on the context length in tokens")
     p.add_argument("--api-key", action="append", help="require this bearer key (repeatable)")
+    p.add_argument("--guardrails", help="guardrails policy file (TOML; env TURBOSPARK_GUARDRAILS); "
+                                        "SIGHUP reads it again")
 
 
 def _check_parser(p):

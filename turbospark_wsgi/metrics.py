@@ -57,6 +57,8 @@ MODEL_UNLOADS = Counter("turbospark_model_unloads", "Idle models unloaded to sta
 MODELS_LOADED = Gauge("turbospark_models_loaded", "Models loaded", multiprocess_mode="livesum")
 MODEL_BYTES = Gauge("turbospark_model_memory_bytes", "Estimated bytes of the loaded models",
                     multiprocess_mode="livesum")
+GUARDRAIL_ACTIONS = Counter("turbospark_guardrail_actions", "Guardrail rules that acted: blocks and redactions "
+                            "(TURBOSPARK_GUARDRAILS), by rule id, stage and action", ["rule", "stage", "action"])
 FRONT_DOOR_WAIT = Counter("turbospark_front_door_wait_seconds",
                           "Time the compute thread gave way to the request loop's bursts (TURBOSPARK_FRONT_DOOR)")
 
@@ -97,6 +99,11 @@ def record_generation(gen):
 def record_throttled(key, reason):
     """A 429: `key` is the key's name in the limits file, or "default"."""
     THROTTLED.labels(key, reason).inc()
+
+
+def record_guardrail(rule, stage, action):
+    """A guardrail rule acted: `stage` input | output, `action` block | redact (never the text)."""
+    GUARDRAIL_ACTIONS.labels(rule, stage, action).inc()
 
 
 def record_key_tokens(key, kind, tokens):

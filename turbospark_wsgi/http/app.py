@@ -22,6 +22,7 @@ from .resources.health import Health
 from .resources.messages import CountTokens, Messages
 from .resources.metrics import Metrics
 from .resources.models import Model, Models
+from .resources.moderations import Moderations
 from .resources.openapi import OpenApi
 from .resources.responses import Responses, StoredResponse
 from .resources.tokenize import Detokenize, Tokenize, TokenizerInfo
@@ -69,7 +70,8 @@ def create_app(config=None, service=None):
 # The POST routes whose first step is Service.check_room (see refusal.py).
 REFUSED_WHEN_FULL = ("/v1/completions", "/v1/chat/completions", "/v1/messages", "/v1/responses")
 # The POST routes that read a JSON body: the worker answers their 413 from a head over the limit.
-BODY_ROUTES = REFUSED_WHEN_FULL + ("/v1/embeddings", "/v1/messages/count_tokens", "/tokenize", "/detokenize")
+BODY_ROUTES = REFUSED_WHEN_FULL + ("/v1/embeddings", "/v1/messages/count_tokens", "/v1/moderations", "/tokenize",
+                                   "/detokenize")
 
 
 def add_routes(app, service, config):
@@ -84,6 +86,7 @@ def add_routes(app, service, config):
     store = open_store(config)
     app.add_route("/v1/responses", Responses(service, store, config.max_body))
     app.add_route("/v1/responses/{response_id}", StoredResponse(store))
+    app.add_route("/v1/moderations", Moderations(service, config))
     app.add_route("/v1/models", Models(service))
     app.add_route("/v1/models/{model_id:path}", Model(service))
     app.add_route("/health", Health(service))

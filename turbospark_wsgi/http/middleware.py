@@ -342,11 +342,13 @@ def request_id(req):
 
 def log_access(req, resp):
     ctx = req.context
+    gen = getattr(ctx, "generation", None)
+    fired = list(getattr(ctx, "guardrails", None) or ()) + list(getattr(gen, "guardrails_fired", None) or ())
     write_access(request_id(req), req.method, req.path, resp.status_code, getattr(ctx, "started", None),
-                 getattr(ctx, "generation", None), req.uri_template)
+                 gen, req.uri_template, fired)
 
 
-def write_access(rid, method, path, status, started, gen=None, route=None):
+def write_access(rid, method, path, status, started, gen=None, route=None, guardrails=()):
     """One access line and the request's metrics; `started`: its time.monotonic() (None: now)."""
     elapsed = (time.monotonic() - (started or time.monotonic())) * 1000
     # NOTE(log-injection): the method, path and model come from the client; escaped, they cannot
@@ -361,6 +363,11 @@ def write_access(rid, method, path, status, started, gen=None, route=None):
                    f"queue_ms={_ms(gen.enqueued_at, gen.started_at)}",
                    f"ttft_ms={_ms(gen.enqueued_at, gen.first_token_at)}",
                    f"finish={gen.finish_reason or '-'}"]
+    if guardrails:
+        # NOTE(leak): the rules that acted, by id: never the text they matched
+        # (before finish=, which ends a generation's line)
+        named = "guardrails=" + ",".join(f"{rule}:{action}" for rule, action in dict.fromkeys(guardrails))
+        fields.insert(len(fields) - (gen is not None), named)
     access_log.info(" ".join(str(f) for f in fields))
     metrics.record_request(route, method, status, elapsed / 1000, gen)
 

@@ -69,11 +69,12 @@ class TextDelta:
 
 @dataclass(slots=True)
 class Finished:
-    reason: str                             # FinishReason.STOP | LENGTH
+    reason: str                             # FinishReason.STOP | LENGTH, or "content_filter" (guarded.py)
     usage: Usage                            # of the run so far: the last choice's is the total
     stop_string: str | None = None
     index: int = 0
     last: bool = True                       # the last choice's Finished ends the run
+    guardrails: tuple = ()                  # (rule id, action) of the output rules that acted on this choice
 
 
 @dataclass(slots=True)

@@ -17,6 +17,7 @@ from ..errors import ApiError, InvalidRequest
 from . import compute
 from .cancel import CancelToken
 from .generation import Generation, PromptBatch
+from .guardrails import Guardrails
 from .limits import Limits
 from .prompts import Prompts, check_ids, encode_text, keep_last, template_source, truncation
 from .queue import LockQueue
@@ -52,6 +53,7 @@ class GenerationRequest:
     truncate_prompt_tokens: int | None = None   # vLLM's: keep the prompt's last N tokens (-1: the context)
     cache_salt: str = ""                    # only runs with the same salt share cached prompt prefixes:
                                             # the request's own (vLLM's), after its key's with isolation
+    guardrails: list = field(default_factory=list)  # (rule id, action) of the input rules that redacted
 
 
 @dataclass(slots=True)
@@ -82,10 +84,11 @@ EMBED_CHUNK = 32
 class Service:
     """Admits requests, queues them FIFO and drives the engine on the compute thread."""
 
-    def __init__(self, config, registry=None, queue=None, limits=None):
+    def __init__(self, config, registry=None, queue=None, limits=None, guardrails=None):
         self.config = config
         self.registry = registry if registry is not None else Registry(config)
         self.limits = limits if limits is not None else Limits.from_config(config)
+        self.guardrails = guardrails if guardrails is not None else Guardrails.from_config(config)
         self.queue = queue if queue is not None else LockQueue(config.max_waiting, config.queue_timeout,
                                                                         slots=config.max_batch,
                                                                         spare=config.max_paused)

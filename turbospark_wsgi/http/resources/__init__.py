@@ -11,6 +11,8 @@ import logging
 
 from ...errors import ApiError, EngineError
 from ...serving.cancel import CancelToken, DisconnectWatcher
+from ...serving.guarded import GuardedEvents, input_fields
+from ...serving.guardrails import Blocked
 from ..middleware import caller, request_id
 from ..sse import SSEStream
 
@@ -21,17 +23,29 @@ SSE_HEADERS = {"Cache-Control": "no-cache, no-transform", "X-Accel-Buffering": "
 CLIENT_CLOSED = 499     # nginx's code for "client closed request"; nobody reads the body
 
 
-def begin(service, req, gen):
-    """Admits `gen` (eagerly: the client's limits, then the service) and starts a disconnect watcher
-    on the client socket."""
+def begin(service, req, gen, prefix="messages"):
+    """Admits `gen` (eagerly: the input guardrails, the client's limits, then the service) and
+    starts a disconnect watcher on the client socket. `prefix`: the request field of the messages,
+    as input guardrails name it. What the input rules did is in `gen.guardrails`."""
     who = caller(req)
     gen.request_id, gen.client = request_id(req), who.client
     if service.config.cache_per_key:
         gen.cache_salt = who.owner + gen.cache_salt     # NOTE(salt): 32 hex digits first, so never ambiguous
+    rules = service.guardrails.rules_for(who.digest, req.path)
+    if rules is not None and rules.input:
+        # NOTE(order): a blocked prompt is refused before it costs the key a request or a queue place
+        try:
+            gen.guardrails = rules.check_input(input_fields(gen, prefix))
+        except Blocked as e:
+            req.context.guardrails = [(e.rule_id, "block")]
+            raise
+        req.context.guardrails = gen.guardrails
     permit = service.limits.admit(who.digest, who.address, anthropic=req.path.startswith("/v1/messages"))
     cancel = CancelToken()
     events = permit.call(service.run, gen, cancel)
     permit.meter(events)
+    if rules is not None and rules.output:
+        events = GuardedEvents(events, rules, gen.n * (len(gen.prompts) if gen.prompts else 1))
     req.context.generation, req.context.limits = events, permit
     return events, DisconnectWatcher(req.env, cancel).start()
 

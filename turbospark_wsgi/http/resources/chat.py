@@ -16,7 +16,8 @@ class ChatCompletions:
         gen = parse_chat(read_json(req, self._max_body))
         events, watcher = begin(self._service, req, gen)
         # NOTE(model): the name the request used, as every route echoes it (DEVIATIONS.md)
-        reply = ChatReply(gen.model or self._service.default_model, gen.include_usage, gen.chat.parallel_tool_calls)
+        reply = ChatReply(gen.model or self._service.default_model, gen.include_usage, gen.chat.parallel_tool_calls,
+                          gen.guardrails)
         if gen.stream:
             frames = chat_stream(reply, events.plan.parser, events, gen.n)
             stream_response(resp, frames, events, watcher, openai.error_event)

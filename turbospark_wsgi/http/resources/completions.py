@@ -20,6 +20,7 @@ class Completions:
         if degraded:
             resp.set_header(openai.DEGRADATION_HEADER, ", ".join(degraded))
         meta = openai.response_meta("cmpl-", gen.model or self._service.default_model, gen.include_usage)
+        meta.prompt_filters = gen.guardrails
         if gen.stream:
             stream_response(resp, openai.completion_stream(events, meta), events, watcher, openai.error_event)
             return

@@ -49,7 +49,7 @@ class Responses:
     def _admit(self, req, gen):
         """(events, watcher) as chat admits a request; refusals name the Responses fields."""
         try:
-            return begin(self._service, req, gen)
+            return begin(self._service, req, gen, prefix="input")
         except ApiError as e:
             e.param = _PARAMS.get(e.param, e.param)
             raise

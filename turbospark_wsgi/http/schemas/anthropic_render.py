@@ -24,6 +24,8 @@ def stop_reason(finished, has_calls):
     """(stop_reason, stop_sequence) for the service's Finished event."""
     if finished.reason == "length":
         return "max_tokens", None
+    if finished.reason == "content_filter":
+        return "refusal", None          # NOTE(guardrails): an output rule blocked the rest of the reply
     if has_calls:
         return "tool_use", None
     if finished.stop_string:

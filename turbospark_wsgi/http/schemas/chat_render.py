@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from ...serving.generation import Finished, KeepAlive, TextDelta
 from .. import sse
 from ..parsers import CONTENT, REASONING, CallArgs, ToolCall, collect
-from .openai import usage_body
+from .openai import filter_results, prompt_filter_results, usage_body
 
 
 def _fingerprint(model):
@@ -21,6 +21,7 @@ class ChatReply:
     model: str
     include_usage: bool = False
     parallel_tool_calls: bool = True
+    prompt_filters: list | None = None    # (rule id, action) of the input guardrails that redacted
     id: str = field(default_factory=lambda: "chatcmpl-" + uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -57,8 +58,11 @@ def chat_body(reply, parsed, finished, choices=None):
     """The non-streaming body for a ParsedOutput and the service's Finished event; with n > 1,
     `choices` is [(parsed, Finished, logprob entries)] by index and `finished` the last one."""
     choices = choices if choices is not None else [(parsed, finished, None)]
-    return {**reply.envelope("chat.completion"),
+    body = {**reply.envelope("chat.completion"),
             "choices": [_choice(reply, i, *c) for i, c in enumerate(choices)], "usage": usage_dict(finished.usage)}
+    if reply.prompt_filters:
+        body["prompt_filter_results"] = prompt_filter_results(reply.prompt_filters)
+    return body
 
 
 def _choice(reply, index, parsed, finished, logprobs):
@@ -69,8 +73,11 @@ def _choice(reply, index, parsed, finished, logprobs):
         message["reasoning_content"] = message["reasoning"] = parsed.reasoning
     if calls:
         message["tool_calls"] = [_call_dict(c) for c in calls]
-    return {"index": index, "message": message, "logprobs": logprobs_dict(logprobs),
-            "finish_reason": finish_reason(finished.reason, bool(calls))}
+    choice = {"index": index, "message": message, "logprobs": logprobs_dict(logprobs),
+              "finish_reason": finish_reason(finished.reason, bool(calls))}
+    if finished.guardrails:
+        choice["content_filter_results"] = filter_results(finished.guardrails)
+    return choice
 
 
 def drain_choices(make_parser, events):
@@ -147,7 +154,10 @@ def chat_chunks(reply, make_parser, events, n=1):
     writers, parsers = {}, {}
     for i in range(n):
         writers[i], parsers[i] = _ChunkWriter(reply, i), make_parser()
-        yield writers[i].chunk({"role": "assistant", "content": "", "refusal": None})
+        first = writers[i].chunk({"role": "assistant", "content": "", "refusal": None})
+        if i == 0 and reply.prompt_filters:
+            first["prompt_filter_results"] = prompt_filter_results(reply.prompt_filters)
+        yield first
     for event in events:
         if isinstance(event, KeepAlive):
             yield None
@@ -160,7 +170,10 @@ def chat_chunks(reply, make_parser, events, n=1):
         elif isinstance(event, Finished):
             for parsed in parser.flush():
                 yield from (writer.chunk(d) for d in writer.deltas(parsed))
-            yield writer.chunk({}, finish_reason(event.reason, writer.calls > 0))
+            last = writer.chunk({}, finish_reason(event.reason, writer.calls > 0))
+            if event.guardrails:
+                last["choices"][0]["content_filter_results"] = filter_results(event.guardrails)
+            yield last
             if reply.include_usage and event.last:
                 yield {**reply.envelope("chat.completion.chunk"), "choices": [], "usage": usage_dict(event.usage)}
 

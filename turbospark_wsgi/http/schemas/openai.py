@@ -28,6 +28,7 @@ class ResponseMeta:
     created: int
     model: str
     include_usage: bool = False
+    prompt_filters: list | None = None      # (rule id, action) of the input guardrails that redacted
 
 
 def new_id(prefix="cmpl-"):
@@ -145,7 +146,19 @@ def usage_body(usage):
 
 
 def finish_reason(reason):
-    return "length" if reason == "length" else "stop"
+    return reason if reason in ("length", "content_filter") else "stop"
+
+
+def filter_results(fired):
+    """What guardrail rules did, [(rule id, action)], in Azure OpenAI's `content_filter_results`
+    shape: each rule is a custom blocklist, filtered when it blocked or redacted text."""
+    return {"custom_blocklists": {"filtered": bool(fired),
+                                  "details": [{"id": rule, "filtered": True, "action": action}
+                                              for rule, action in fired]}}
+
+
+def prompt_filter_results(fired):
+    return [{"prompt_index": 0, "content_filter_results": filter_results(fired)}]
 
 
 def completion_body(meta, choices, finished):
@@ -153,10 +166,18 @@ def completion_body(meta, choices, finished):
     if isinstance(choices, str):
         choices = [ChoiceResult(0, choices, None, finished)]
     return {"id": meta.id, "object": "text_completion", "created": meta.created, "model": meta.model,
-            "choices": [{"text": c.text, "index": c.index,
-                         "logprobs": legacy_logprobs(c.logprobs) if c.logprobs is not None else None,
-                         "finish_reason": finish_reason(c.finished.reason)} for c in choices],
-            "usage": usage_body(finished.usage)}
+            "choices": [_filtered({"text": c.text, "index": c.index,
+                                   "logprobs": legacy_logprobs(c.logprobs) if c.logprobs is not None else None,
+                                   "finish_reason": finish_reason(c.finished.reason)}, c.finished.guardrails)
+                        for c in choices],
+            "usage": usage_body(finished.usage),
+            **({"prompt_filter_results": prompt_filter_results(meta.prompt_filters)} if meta.prompt_filters else {})}
+
+
+def _filtered(choice, fired):
+    if fired:
+        choice["content_filter_results"] = filter_results(fired)
+    return choice
 
 
 def legacy_logprobs(entries, offset=0):
@@ -186,7 +207,9 @@ def completion_stream(events, meta):
             offsets[event.index] = start + len(event.text)
             yield sse.data_event(completion_chunk(meta, event.text, None, event.index, logprobs))
         elif isinstance(event, Finished):
-            yield sse.data_event(completion_chunk(meta, "", finish_reason(event.reason), event.index))
+            chunk = completion_chunk(meta, "", finish_reason(event.reason), event.index)
+            _filtered(chunk["choices"][0], event.guardrails)
+            yield sse.data_event(chunk)
             if event.last:
                 if meta.include_usage:
                     yield sse.data_event(usage_chunk(meta, "text_completion", event.usage))

@@ -176,6 +176,21 @@ _SCHEMAS = {
                             {"type": "array", "minItems": 1,
                              "items": {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}}],
                   "description": "at most TURBOSPARK_MAX_EMBEDDING_INPUTS items (default 2048)"}}},
+    "ModerationRequest": {"type": "object", "required": ["input"], "properties": {
+        "model": _STR,
+        "input": {"oneOf": [_STR, {"type": "array", "items": _STR, "minItems": 1},
+                            {"type": "array", "minItems": 1, "items": {"type": "object", "properties": {
+                                "type": {"enum": ["text", "image_url"]}, "text": _STR}}}],
+                  "description": "a list of content parts is one input; images are not read"}}},
+    "ModerationList": {"type": "object", "required": ["id", "model", "results"], "properties": {
+        "id": _STR, "model": _STR,
+        "results": {"type": "array", "items": {"type": "object", "required": ["flagged", "categories"], "properties": {
+            "flagged": _BOOL,
+            "categories": {"type": "object", "additionalProperties": _BOOL,
+                           "description": "one per input guardrail rule of the caller, by its id"},
+            "category_scores": {"type": "object", "additionalProperties": _NUM},
+            "category_applied_input_types": {"type": "object",
+                                             "additionalProperties": {"type": "array", "items": _STR}}}}}}},
     "EmbeddingList": {"type": "object", "required": ["object", "data", "model", "usage"], "properties": {
         "object": {"const": "list"}, "model": _STR,
         "usage": {"type": "object", "properties": {"prompt_tokens": _INT, "total_tokens": _INT}},
@@ -235,6 +250,8 @@ def spec(version="0"):
             "/v1/chat/completions": _post("Chat completion", "ChatCompletionRequest", "ChatCompletion"),
             "/v1/embeddings": _post("Sentence embeddings (embedding models only)", "EmbeddingRequest",
                                     "EmbeddingList", stream=False),
+            "/v1/moderations": _post("Which of the caller's input guardrail rules (TURBOSPARK_GUARDRAILS) "
+                                     "a text matches", "ModerationRequest", "ModerationList", stream=False),
             "/v1/messages": _post("Anthropic Messages", "MessagesRequest", "Message", "AnthropicError"),
             "/v1/messages/count_tokens": _post(
                 "Anthropic token count", "CountTokensRequest", "TokenCount", "AnthropicError", stream=False),

@@ -34,10 +34,11 @@ class ResponseReply:
                 "output": list(output), "usage": usage, **self.echo}
 
     def final(self, finished, items):
-        """The finished Response: 'incomplete' when a token budget (or the time limit) cut it."""
-        cut = finished.reason == "length"
+        """The finished Response: 'incomplete' when a token budget (or the time limit) cut it, or a
+        guardrail blocked the rest of it."""
+        cut = _INCOMPLETE.get(finished.reason)
         body = self.response("incomplete" if cut else "completed", [item.wire() for item in items],
-                             usage_dict(finished.usage), incomplete={"reason": "max_output_tokens"} if cut else None)
+                             usage_dict(finished.usage), incomplete={"reason": cut} if cut else None)
         body["completed_at"] = None if cut else int(time.time())
         return body
 
@@ -47,6 +48,10 @@ def usage_dict(usage):
             "input_tokens_details": {"cached_tokens": usage.cached_tokens, "cache_write_tokens": 0},
             "output_tokens": usage.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": usage.prompt_tokens + usage.completion_tokens}
+
+
+# the service's finish reasons that leave a response incomplete -> incomplete_details.reason
+_INCOMPLETE = {"length": "max_output_tokens", "content_filter": "content_filter"}
 
 
 @dataclass(slots=True)
@@ -98,7 +103,7 @@ class OutputItems:
 
     def finish(self, reason):
         """Closes the open item; an answer with no output at all is one empty message."""
-        status = "incomplete" if reason == "length" else "completed"
+        status = "incomplete" if reason in _INCOMPLETE else "completed"
         events = self._close(status)
         if not self.items:
             events += self._start("message") + (self._delta(self._space) if self._space else []) + self._close(status)
