@@ -75,10 +75,18 @@ def test_serve_rejects_unknown_worker_class():
         cli.build_parser().parse_args(["serve", "--worker-class", "sync"])
 
 
-def test_gunicorn_conf_is_the_repository_file():
-    if not (REPO / "gunicorn.conf.py").is_file():
-        pytest.skip("gunicorn.conf.py not in this checkout yet")
-    assert cli.gunicorn_conf() == REPO / "gunicorn.conf.py"
+def test_serve_uses_the_packaged_settings_and_the_checkout_file_reads_the_same():
+    import importlib
+    import runpy
+
+    assert cli.gunicorn_conf() == "python:turbospark_wsgi.gunicorn_settings"
+    packaged = importlib.import_module("turbospark_wsgi.gunicorn_settings")
+    checkout = runpy.run_path(str(REPO / "gunicorn.conf.py"))
+    for name in ("bind", "worker_class", "threads", "timeout", "graceful_timeout", "logconfig_dict", "on_starting",
+                 "when_ready", "post_worker_init", "child_exit"):
+        assert name in checkout, name
+        if not callable(checkout[name]):
+            assert checkout[name] == getattr(packaged, name), name
 
 
 def test_pull_unknown_name_fails_with_the_known_names(capsys, tmp_path):

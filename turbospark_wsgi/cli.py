@@ -135,11 +135,8 @@ def serve_command(args, environ=None):
 
 
 def gunicorn_conf():
-    """The repository's gunicorn.conf.py (the package is installed editable from the repository)."""
-    path = Path(__file__).resolve().parent.parent / "gunicorn.conf.py"
-    if not path.is_file():
-        raise pulling.PullError(f"{path} not found: install from a checkout with `pip install -e .`")
-    return path
+    """The gunicorn settings: the package's module, so a wheel install serves from any directory."""
+    return "python:turbospark_wsgi.gunicorn_settings"
 
 
 # ---- pull / models --------------------------------------------------------------------------------
