@@ -5,6 +5,7 @@ checkout. The fresh venv borrows the test venv's third-party packages through a 
 does not run the test venv's editable-install hook), so it imports this package from the wheel only."""
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -51,7 +52,12 @@ def contents(wheel):
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory):
-    return build_wheel(REPO, tmp_path_factory.mktemp("wheel"))
+    """The wheel of a copy of the checkout's files (pip builds in the source tree: not in this one)."""
+    source = tmp_path_factory.mktemp("source")
+    for name in package_files() + ["setup.cfg", "pyproject.toml", "README.md"]:
+        (source / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(REPO / name, source / name)
+    return build_wheel(source, tmp_path_factory.mktemp("wheel"))
 
 
 def test_the_wheel_holds_every_file_of_the_package_and_the_sdist_builds_the_same(wheel, tmp_path):
