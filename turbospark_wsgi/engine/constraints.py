@@ -117,18 +117,27 @@ class Constraint:
 
 
 class ThinkingBudget:
-    """Ends reasoning after `budget` tokens (Anthropic's `thinking.budget_tokens`): once that many
-    tokens were generated inside an open think tag, only the closing tag's tokens may come until
-    it is written; then anything may follow. Whether the prompt already opened the tag (templates
-    that start the reply inside `<think>`) is read from the prompt's ids.
+    """Ends reasoning after `budget` tokens (Anthropic's `thinking.budget_tokens`, OpenAI's
+    `reasoning_effort` through TURBOSPARK_REASONING_BUDGETS): once that many tokens were generated
+    inside open think tags, only the closing tag's tokens may come until it is written; then the
+    model answers. The budget is for the whole reply: a think tag opened again once it is spent is
+    closed at once. Whether the prompt already opened the tag (templates that start the reply
+    inside `<think>`) is read from the prompt's ids. `budget` None: nothing is forced, the
+    reasoning tokens are only counted (`thought`).
 
     The Constraint protocol, with `allowed_mask()` None while every token is allowed."""
 
     def __init__(self, budget, open_ids, close_ids, prompt_ids, vocab_size):
-        self.budget, self._open, self._close, self._vocab = int(budget), list(open_ids), list(close_ids), vocab_size
+        self.budget = None if budget is None else int(budget)
+        self._open, self._close, self._vocab = list(open_ids), list(close_ids), vocab_size
         self._ids = list(prompt_ids)
         self._thinking = _last(self._ids, self._open) > _last(self._ids, self._close)
-        self._count, self._forcing = 0, None       # tokens thought; next index into close_ids when forcing
+        self.thought, self._forcing = 0, None      # reasoning tokens so far; next index into close_ids when forcing
+        self._spent_check()
+
+    def _spent_check(self):
+        if self._thinking and self._forcing is None and self.budget is not None and self.thought >= self.budget:
+            self._forcing = 0
 
     def allowed_mask(self):
         if self._forcing is None:
@@ -147,11 +156,10 @@ class ThinkingBudget:
             if self._ids[-len(self._close):] == self._close:
                 self._thinking = False
             else:
-                self._count += 1
-                if self._count >= self.budget:
-                    self._forcing = 0
+                self.thought += 1
         elif self._ids[-len(self._open):] == self._open:
-            self._thinking, self._count = True, 0
+            self._thinking = True
+        self._spent_check()
 
     def is_done(self):
         return False

@@ -59,7 +59,8 @@ class TextEngine(Protocol):
 
     def thinking_budget(self, budget: int, prompt_ids: Sequence[int], open_tag: str = "<think>",
                         close_tag: str = "</think>") -> Any:
-        """A SamplingParams.constraint closing the think tag after `budget` reasoning tokens."""
+        """A SamplingParams.constraint closing the think tag after `budget` reasoning tokens (None:
+        nothing forced, the reasoning tokens only counted, in `.thought`)."""
 
     def generate(self, prompt_ids: Sequence[int], params, should_stop=None, client: str = "",
                  cache_salt: str = "") -> Iterator:

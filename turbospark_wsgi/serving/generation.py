@@ -23,6 +23,7 @@ class Usage:
     cached_tokens: int = 0
     proposed_tokens: int = 0                # speculative decoding: tokens proposed, then checked
     accepted_tokens: int = 0                # ... and kept
+    reasoning_tokens: int = 0               # of completion_tokens, those inside think tags
 
     @property
     def total_tokens(self):
@@ -113,14 +114,15 @@ class Tally:
     def count(self):
         self.pending += 1
 
-    def account(self, completion_tokens, cached_tokens, proposed=0, accepted=0):
+    def account(self, completion_tokens, cached_tokens, proposed=0, accepted=0, reasoning=0):
         self.pending = 0
         if self.usage is None:
-            self.usage = Usage(self.prompt_tokens, completion_tokens, cached_tokens, proposed, accepted)
+            self.usage = Usage(self.prompt_tokens, completion_tokens, cached_tokens, proposed, accepted, reasoning)
         else:
             u = self.usage
             self.usage = Usage(self.prompt_tokens, u.completion_tokens + completion_tokens, u.cached_tokens,
-                               u.proposed_tokens + proposed, u.accepted_tokens + accepted)
+                               u.proposed_tokens + proposed, u.accepted_tokens + accepted,
+                               u.reasoning_tokens + reasoning)
 
     @property
     def produced(self):
@@ -130,11 +132,13 @@ class Tally:
 class RunTranslator:
     """One engine run (one choice) -> service events: Tokens become TextDeltas (with their logprob
     entries when `want_logprobs`), the Finish a last TextDelta and a Finished; Prefill and Paused
-    say nothing. Counts the run's tokens into `tally`."""
+    say nothing. Counts the run's tokens into `tally`, and with `thought` (a counting ThinkingBudget)
+    those inside think tags."""
 
-    def __init__(self, tokenizer, tally, index, last, want_logprobs, report, end_listed):
+    def __init__(self, tokenizer, tally, index, last, want_logprobs, report, end_listed, thought=None):
         self._tokenizer, self._tally, self._index, self._last = tokenizer, tally, index, last
         self._want, self._report, self._end_listed = want_logprobs, report, end_listed
+        self._thought = thought
         self._held = []                 # TokenLogprobs whose text is still held back
         self.finish_reason = None
 
@@ -142,6 +146,8 @@ class RunTranslator:
         """The service events for one engine event (a list, often empty)."""
         if isinstance(event, Token):
             self._tally.count()
+            if self._thought is not None:
+                self._thought.advance(event.id)
             if event.logprob is not None:
                 self._held.append(logprob_entry(self._tokenizer, event.id, event.logprob, event.top_logprobs))
             return [TextDelta(event.text, self._take(), self._index)] if event.text else []
@@ -165,7 +171,8 @@ class RunTranslator:
         out = []
         if event.text or self._held or (self._report and not completion):
             out.append(TextDelta(event.text, self._take(), self._index))    # logprobs: [] when nothing came
-        self._tally.account(completion, event.cached_tokens, event.proposed_tokens, event.accepted_tokens)
+        self._tally.account(completion, event.cached_tokens, event.proposed_tokens, event.accepted_tokens,
+                            min(self._thought.thought, completion) if self._thought is not None else 0)
         return out + [Finished(event.reason, self._tally.usage, event.stop_string, self._index, self._last)]
 
     def _completion_count(self, finish):
@@ -394,7 +401,7 @@ class Generation:
         if self._grammar is not None:       # NOTE(thinking): a grammar governs the whole reply
             return self._grammar.start()
         budget = self._req.chat.thinking_budget if self._req.chat is not None else None
-        if budget:
+        if budget is not None:
             return self._engine.thinking_budget(budget, self._ids)
         return None
 
@@ -404,8 +411,10 @@ class Generation:
         params = dataclasses.replace(
             params, seed=None if params.seed is None else (params.seed + i) % 2 ** 64,
             constraint=self._constraint())
+        # NOTE(reasoning): counted on this thread from the tokens' ids, whatever constrains the run
+        thought = self._engine.thinking_budget(None, self._ids) if self._req.chat is not None else None
         run = RunTranslator(self._engine.tokenizer, self._tally, i, last, params.logprobs is not None,
-                            self._req.logprobs is not None, self._req.chat is None)
+                            self._req.logprobs is not None, self._req.chat is None, thought)
         if params.max_new_tokens == 0:      # echo only: the prompt was scored, nothing is generated
             yield run.cut()
             return True

@@ -23,6 +23,10 @@ class Prompts:
     def prepare(self, engine, req):
         """(prompt ids, sampling params, compiled grammar or None, the chat's OutputPlan or None)."""
         plan = req.chat.plan(template_source(engine)) if req.chat is not None else None
+        if req.chat is not None and req.chat.thinking_budget is None:
+            # NOTE(budget): an effort's budget, else the model's default (TURBOSPARK_REASONING_BUDGET[S])
+            req.chat.thinking_budget = self.config.reasoning_budget_for(req.chat.reasoning_effort,
+                                                                      req.model or self.config.model)
         ids = self.ids(engine, req, plan)
         params = dataclasses.replace(req.params, max_new_tokens=self.budget(engine, req, len(ids)),
                                      logprobs=_logprobs_wanted(req))

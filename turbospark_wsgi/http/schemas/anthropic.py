@@ -166,8 +166,11 @@ def _thinking(value, max_tokens):
         if max_tokens and budget >= max_tokens:
             fail("thinking.budget_tokens", "`max_tokens` must be greater than `thinking.budget_tokens`")
         return {"template_kwargs": {"enable_thinking": True}, "thinking_budget": budget}
-    if kind in ("disabled", "adaptive"):
-        return {"template_kwargs": {"enable_thinking": kind == "adaptive"}}
+    if kind == "disabled":
+        # NOTE(disabled): a template that opens the think tag anyway gets it closed at once
+        return {"template_kwargs": {"enable_thinking": False}, "thinking_budget": 0}
+    if kind == "adaptive":
+        return {"template_kwargs": {"enable_thinking": True}}
     fail("thinking.type", "thinking.type: expected 'enabled' or 'disabled'")
 
 

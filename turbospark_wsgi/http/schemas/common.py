@@ -7,6 +7,7 @@ its own bounds (Anthropic's temperature <= 1, its `stop_sequences`) as arguments
 import math
 from dataclasses import dataclass
 
+from ...config import EFFORTS, MAX_BUDGET
 from ...engine import SamplingParams
 from ...errors import InvalidRequest
 
@@ -226,3 +227,28 @@ def include_usage(doc, stream):
 def anthropic_error_body(exc):
     """Anthropic's error envelope for an ApiError."""
     return {"type": "error", "error": {"type": exc.anthropic_type, "message": exc.message}}
+
+
+def reasoning_effort(value, param):
+    """OpenAI's reasoning effort (`reasoning_effort`, `reasoning.effort`), or None when absent."""
+    if value is not None and (not isinstance(value, str) or value not in EFFORTS):
+        raise InvalidRequest(f"'{param}' must be one of {', '.join(EFFORTS)}.", param=param)
+    return value
+
+
+def effort_kwargs(effort):
+    """What the template reads of an effort. NOTE(reasoning): Qwen3-style templates read
+    enable_thinking, gpt-oss-style ones reasoning_effort."""
+    if effort is None:
+        return {}
+    return {"enable_thinking": effort != "none", "reasoning_effort": effort}
+
+
+def token_budget(doc, key):
+    """vLLM's `thinking_token_budget`: reasoning tokens 0 to 2^31 - 1 (0: the think block closes at once)."""
+    value = doc.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_BUDGET:
+        raise InvalidRequest(f"'{key}' must be a whole number of tokens from 0 to {MAX_BUDGET}.", param=key)
+    return value

@@ -135,13 +135,19 @@ def _token_ids(ids, param):
 # ---- responses ------------------------------------------------------------------------------
 
 def usage_body(usage):
-    """`usage`; with `completion_tokens_details` (OpenAI's predicted-output counts) where speculative
-    decoding proposed tokens: accepted ones were kept, rejected ones computed and dropped."""
+    """`usage`; with `completion_tokens_details`: OpenAI's predicted-output counts where speculative
+    decoding proposed tokens (accepted ones were kept, rejected ones computed and dropped), and
+    `reasoning_tokens` where the reply thought."""
     body = {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
             "total_tokens": usage.total_tokens}
+    details = {}
     if usage.proposed_tokens:
-        body["completion_tokens_details"] = {"accepted_prediction_tokens": usage.accepted_tokens,
-                                             "rejected_prediction_tokens": usage.proposed_tokens - usage.accepted_tokens}
+        details = {"accepted_prediction_tokens": usage.accepted_tokens,
+                   "rejected_prediction_tokens": usage.proposed_tokens - usage.accepted_tokens}
+    if usage.reasoning_tokens:
+        details["reasoning_tokens"] = usage.reasoning_tokens
+    if details:
+        body["completion_tokens_details"] = details
     return body
 
 

@@ -15,7 +15,6 @@ from .json_schema import check_schema
 from .responses_input import parse_input, with_tool_names
 from .tool_prompt import ChatPart
 
-EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 SUMMARIES = ("auto", "concise", "detailed")
 VERBOSITIES = ("low", "medium", "high")
 MAX_METADATA = 16           # OpenAI's limits: 16 pairs, keys of 64 characters, values of 512
@@ -45,13 +44,14 @@ class ResponsesRequest:
     template_kwargs: dict = field(default_factory=dict)
     grammar: dict | None = None           # text.format as a grammar spec
     cache_salt: str = ""                  # vLLM's: only the same salt shares cached prompt prefixes
-
+    effort: str | None = None             # reasoning.effort: the server's budget for it
 
     def generation(self, history):
         """The service's GenerationRequest for this request after `history` (stored template dicts)."""
         chat = ChatPart(conversation(self, history), tools=self.tools, tool_choice=self.tool_choice,
                         parallel_tool_calls=self.parallel_tool_calls, reasoning=self.reasoning,
-                        template_kwargs=self.template_kwargs, grammar=self.grammar, grammar_param="text.format")
+                        template_kwargs=self.template_kwargs, grammar=self.grammar, grammar_param="text.format",
+                        reasoning_effort=self.effort)
         return GenerationRequest(model=self.model, chat=chat, max_tokens=self.max_tokens, params=self.params,
                                  stream=self.stream, prompt_param="input", cache_salt=self.cache_salt)
 
@@ -86,7 +86,7 @@ def parse_responses(doc):
         model=common.model_name(doc), max_tokens=max_tokens, tools=tools if choice != "none" else None,
         tool_choice=choice, parallel_tool_calls=parallel, stream=_stream(doc), store=store,
         previous_response_id=echo["previous_response_id"], grammar=grammar,
-        template_kwargs=_effort_kwargs(effort), cache_salt=common.cache_salt(doc))
+        template_kwargs=common.effort_kwargs(effort), cache_salt=common.cache_salt(doc), effort=effort)
 
 
 def conversation(request, history):
@@ -263,17 +263,10 @@ def _reasoning(value):
     if value is None:
         return None, None
     checks.typed(value, dict, "reasoning", "an object")
-    effort = value.get("effort")
-    if effort is not None and (not isinstance(effort, str) or effort not in EFFORTS):
-        fail("reasoning.effort", f"'reasoning.effort' must be one of {', '.join(EFFORTS)}.")
+    effort = common.reasoning_effort(value.get("effort"), "reasoning.effort")
     summary = value.get("summary", value.get("generate_summary"))
     if summary is not None and (not isinstance(summary, str) or summary not in SUMMARIES):
         fail("reasoning.summary", f"'reasoning.summary' must be one of {', '.join(SUMMARIES)}.")
     return effort, summary
 
 
-def _effort_kwargs(effort):
-    # NOTE(reasoning): Qwen3-style templates read enable_thinking, gpt-oss-style ones reasoning_effort.
-    if effort is None:
-        return {}
-    return {"enable_thinking": effort != "none", "reasoning_effort": effort}

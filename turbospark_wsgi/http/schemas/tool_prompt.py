@@ -30,6 +30,7 @@ class ChatPart:
     reasoning: bool = True                # split <think> out of the content
     template_kwargs: dict = field(default_factory=dict)
     thinking_budget: int | None = None    # reasoning tokens before the think tag is closed (no grammar)
+    reasoning_effort: str | None = None   # OpenAI's effort: its budget is the server's (TURBOSPARK_REASONING_BUDGETS)
     grammar: dict | None = None           # the response format as a grammar spec
     grammar_param: str = "response_format"  # the request field that grammar came from
 
