@@ -79,8 +79,8 @@ def test_serve_uses_the_packaged_settings_and_the_checkout_file_reads_the_same()
     import importlib
     import runpy
 
-    assert cli.gunicorn_conf() == "python:turbospark_wsgi.gunicorn_settings"
-    packaged = importlib.import_module("turbospark_wsgi.gunicorn_settings")
+    assert cli.gunicorn_conf() == "python:turbospark_wsgi.http.gunicorn_settings"
+    packaged = importlib.import_module("turbospark_wsgi.http.gunicorn_settings")
     checkout = runpy.run_path(str(REPO / "gunicorn.conf.py"))
     for name in ("bind", "worker_class", "threads", "timeout", "graceful_timeout", "logconfig_dict", "on_starting",
                  "when_ready", "post_worker_init", "child_exit"):

@@ -9,7 +9,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "turbospark_wsgi"
 # Layers, outermost first (a module imports only from its own layer or below); a module belongs to
 # the layer of the longest dotted name here that starts its own.
 LAYERS = {
-    5: ("wsgi", "cli", "__main__", "http.workers", "http.framing"),
+    5: ("wsgi", "cli", "__main__", "http.workers", "http.framing", "http.gunicorn_settings"),
     4: ("http.app", "http.middleware", "http.refusal", "http.resources"),
     3: ("http.schemas", "http.sse", "http.parsers"),
     2: ("serving", "errors", "config", "pull", "metrics", "logsafe"),

@@ -136,7 +136,7 @@ def serve_command(args, environ=None):
 
 def gunicorn_conf():
     """The gunicorn settings: the package's module, so a wheel install serves from any directory."""
-    return "python:turbospark_wsgi.gunicorn_settings"
+    return "python:turbospark_wsgi.http.gunicorn_settings"
 
 
 # ---- pull / models --------------------------------------------------------------------------------

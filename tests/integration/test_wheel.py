@@ -64,7 +64,7 @@ def test_the_wheel_holds_every_file_of_the_package_and_the_sdist_builds_the_same
     files = contents(wheel)
     assert files == package_files()
     for data in ("turbospark_wsgi/engine/gpu/kernels.cu", "turbospark_wsgi/engine/kernels/native.c",
-                 "turbospark_wsgi/http/static/index.html", "turbospark_wsgi/gunicorn_settings.py"):
+                 "turbospark_wsgi/http/static/index.html", "turbospark_wsgi/http/gunicorn_settings.py"):
         assert data in files, data
     sdist_dir = tmp_path / "sdist"
     subprocess.run([sys.executable, "-c", "import sys; from setuptools import build_meta as b; "

@@ -1,5 +1,5 @@
 """gunicorn settings for TurboSpark WSGI, in the package so that a wheel install serves:
-`turbospark serve` runs `gunicorn -c python:turbospark_wsgi.gunicorn_settings`; a checkout's
+`turbospark serve` runs `gunicorn -c python:turbospark_wsgi.http.gunicorn_settings`; a checkout's
 `gunicorn.conf.py` reads this module, so `gunicorn -c gunicorn.conf.py` works as well (the app is
 wsgi_app below).
 
