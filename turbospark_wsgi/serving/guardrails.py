@@ -199,8 +199,8 @@ class _Regex:
 
     def holdback(self, text):
         """How much of the end of `text` may be the start of a match still growing, for a regex
-        with no literal prefix (those with one are _Starts'): the run of the class's characters the
-        text ends with, below max_length."""
+        with no literal prefix (_Detectors.scan reads those from its automaton): the run of the
+        class's characters the text ends with, below max_length."""
         n = len(text)
         run = min(self.max_length - 1, n)
         if self._run is not None:
@@ -208,7 +208,7 @@ class _Regex:
         return run
 
 
-# ---- PII kinds: (pattern, check, characters a match is made of, the longest match). A check gets
+# ---- PII kinds: (pattern, check, the character class a match is made of, the longest match). A check gets
 # the text and a match's span and returns the span's end that holds (a greedy match may have taken
 # a group too many: a card's next number, an IBAN's next word) or None.
 
@@ -283,14 +283,14 @@ _OCTET = r"(?:25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"
 _SEP = r"[ .\-]?"
 PII = {
     "email": (r"[a-z0-9._%+\-]{1,64}@[a-z0-9\-]{1,63}(?:\.[a-z0-9\-]{1,63}){0,6}\.[a-z]{2,24}", _email,
-              frozenset("abcdefghijklmnopqrstuvwxyz0123456789._%+-@"), 320),
+              r"[a-z0-9._%+@\-]", 320),
     "phone": (r"(?:\+[0-9]{1,3}" + _SEP + r")?(?:\([0-9]{1,4}\)" + _SEP + r"|[0-9]{2,4}[ .\-])"
               r"[0-9]{2,4}" + _SEP + r"[0-9]{2,4}(?:" + _SEP + r"[0-9]{2,4})?", _phone,
-              frozenset("0123456789 +().-"), 24),
-    "credit_card": (r"[0-9](?:[ \-]?[0-9]){12,18}", _card, frozenset("0123456789 -"), 38),
+              r"[0-9 +().\-]", 24),
+    "credit_card": (r"[0-9](?:[ \-]?[0-9]){12,18}", _card, r"[0-9 \-]", 38),
     "iban": (r"[a-z]{2}[0-9]{2}(?: ?[a-z0-9]){11,30}", _iban, None, 42),
-    "ipv4": (r"(?:" + _OCTET + r"\.){3}" + _OCTET, _ipv4, frozenset("0123456789."), 15),
-    "us_ssn": (r"[0-9]{3}[ \-][0-9]{2}[ \-][0-9]{4}", _ssn, frozenset("0123456789 -"), 11),
+    "ipv4": (r"(?:" + _OCTET + r"\.){3}" + _OCTET, _ipv4, r"[0-9.]", 15),
+    "us_ssn": (r"[0-9]{3}[ \-][0-9]{2}[ \-][0-9]{4}", _ssn, r"[0-9 \-]", 11),
 }
 
 
@@ -371,10 +371,6 @@ def regex_charset(pattern):
     return "[" + "".join(dict.fromkeys(parts)) + "]"
 
 
-def charset_of(chars):
-    return "[" + "".join(re.escape(c) for c in sorted(chars)) + "]"
-
-
 def regex_prefix(pattern):
     """The literal text every match of `pattern` starts with, folded ("" when none is sure: a
     character whose case folding is not plain lowercase ends it)."""
@@ -444,8 +440,8 @@ class _Detectors:
                             for p in rule.patterns]
             elif rule.match == "pii":
                 for kind in rule.patterns:
-                    pattern, check, chars, longest = PII[kind]
-                    regexes.append(_Regex(rule, pattern, longest, kind, check, chars and charset_of(chars)))
+                    pattern, check, charset, longest = PII[kind]
+                    regexes.append(_Regex(rule, pattern, longest, kind, check, charset))
         entries = {}
         for rule in rules:
             if rule.match == "literal":
