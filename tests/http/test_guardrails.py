@@ -203,8 +203,9 @@ def reply_of(route, resp, stream):
 
 
 def never_shows(resp, *secrets):
-    """Neither the raw body nor any text read from it holds a secret (case and spacing ignored)."""
-    flat = re.sub(r"\s+", " ", resp.text.lower())
+    """Neither the raw body nor any text read from it holds a secret (case and spacing ignored).
+    NOTE(ids): the random ids (24 to 48 hex digits) are taken out first: one held "0451" now and then."""
+    flat = re.sub(r"[0-9a-f]{24,}", "", re.sub(r"\s+", " ", resp.text.lower()))
     for secret in secrets:
         assert secret.lower() not in flat, secret
 
@@ -417,6 +418,28 @@ def test_moderations_run_the_input_rules_of_the_key(make_harness, tmp_path):
     assert body["results"][0]["flagged"] is False and set(body["results"][0]["categories"]) == {"no-cards"}
     resp = h.client().post_json("/v1/moderations", {"input": 3}, headers=auth, status=400)
     assert resp.json["error"]["param"] == "input"
+
+
+@pytest.mark.parametrize("raw, param", [
+    (b'{"input": "a\\ud800b"}', "input"), (b'{"input": ["ok", "\\udfff"]}', "input[1]"),
+    (b'{"input": ' + b"[" * 100 + b"]" * 100 + b"}", None), (b'{"input": []}', "input"),
+    (b'{"input": [{"type": "text", "text": 3}]}', "input[0].text"), (b'{"input": [{"type": "audio"}]}', "input[0]"),
+    (b'{"input": "x", "model": 7}', "model"), (b'[1, 2]', None), (b'{"nope": 1}', "input"),
+])
+def test_moderations_answer_hostile_bodies_with_a_400_and_keep_serving(make_harness, tmp_path, raw, param):
+    h = guarded(make_harness, tmp_path)
+    resp = h.client().post("/v1/moderations", raw, content_type="application/json", status=400)
+    assert resp.json["error"]["type"] == "invalid_request_error"
+    if param is not None:
+        assert resp.json["error"]["param"] == param
+    assert h.client().post_json("/v1/moderations", {"input": f"say {BLOCKED}"}).json["results"][0]["flagged"]
+    assert post(h, "chat", "hello", False).json["choices"][0]["message"]["content"] == "Hello"
+
+
+def test_moderations_refuse_more_inputs_than_embeddings_take(make_harness, tmp_path):
+    h = guarded(make_harness, tmp_path, max_embedding_inputs=4)
+    resp = h.client().post_json("/v1/moderations", {"input": ["a"] * 5}, status=400)
+    assert resp.json["error"]["param"] == "input" and "at most 4" in resp.json["error"]["message"]
 
 
 # ---- what operators see ------------------------------------------------------------------------
