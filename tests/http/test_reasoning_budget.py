@@ -103,8 +103,10 @@ def test_responses_effort_and_messages_budget(app):
 
 @pytest.mark.parametrize("field, param", [
     ({"reasoning_effort": "ultra"}, "reasoning_effort"), ({"reasoning_effort": 3}, "reasoning_effort"),
-    ({"thinking_token_budget": -1}, "thinking_token_budget"), ({"thinking_token_budget": 2 ** 31}, "thinking_token_budget"),
-    ({"thinking_token_budget": "5"}, "thinking_token_budget"), ({"thinking_token_budget": True}, "thinking_token_budget"),
+    ({"thinking_token_budget": -1}, "thinking_token_budget"),
+    ({"thinking_token_budget": 2 ** 31}, "thinking_token_budget"),
+    ({"thinking_token_budget": "5"}, "thinking_token_budget"),
+    ({"thinking_token_budget": True}, "thinking_token_budget"),
 ])
 def test_hostile_values_are_a_400_naming_the_field_and_the_next_request_is_served(app, field, param):
     resp = chat(app, status=400, **field)
