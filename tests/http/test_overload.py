@@ -67,9 +67,9 @@ def test_the_queue_knows_whose_request_it_is_without_holding_the_key(harness):
     seen = []
     real = harness.service.queue.enqueue
 
-    def recording(cancel=None, client=""):
+    def recording(cancel=None, client="", background=False):
         seen.append(client)
-        return real(cancel, client=client)
+        return real(cancel, client=client, background=background)
 
     harness.service.queue.enqueue = recording
     client = harness.client()

@@ -172,25 +172,23 @@ class Engine:
         return ThinkingBudget(budget, self.encode(open_tag, add_bos=False), self.encode(close_tag, add_bos=False),
                               prompt_ids, self.config.vocab_size)
 
-    def generate(self, prompt_ids, params, should_stop=None, client="", cache_salt=""):
+    def generate(self, prompt_ids, params, should_stop=None, client="", cache_salt="", background=False):
         """Events for one run (see engine/__init__). Runs that are alive at the same time share
         decode steps, the batch's rows shared fairly between `client`s; one `next()` runs at most
         one step when no event is waiting. Only runs with the same `cache_salt` share cached
-        prompt prefixes."""
+        prompt prefixes. A `background` run (a batch line) steps only where no other run needs
+        the step (see scheduler.Scheduler._batch)."""
         prompt_ids = [int(t) for t in prompt_ids]
         self._check_prompt(prompt_ids)
-        return self._run(prompt_ids, params, should_stop, client, cache_salt)
+        return self._events(self.scheduler.add(prompt_ids, params, should_stop, client, cache_salt, background))
 
-    def _run(self, prompt_ids, params, should_stop, client="", cache_salt=""):
-        return self._events(self.scheduler.add(prompt_ids, params, should_stop, client, cache_salt))
-
-    def score(self, prompt_ids, top=0, should_stop=None, client="", cache_salt=""):
+    def score(self, prompt_ids, top=0, should_stop=None, client="", cache_salt="", background=False):
         """Events that score the prompt: Prefill progress and Scores (the log-probability of every
         prompt token given the ones before it, the first None), then Finish. Like `generate`, one
         `next()` runs at most one step, shared with the other runs, and `should_stop` cancels it."""
         prompt_ids = [int(t) for t in prompt_ids]
         self._check_prompt(prompt_ids)
-        return self._events(self.scheduler.add_scoring(prompt_ids, top, should_stop, client, cache_salt))
+        return self._events(self.scheduler.add_scoring(prompt_ids, top, should_stop, client, cache_salt, background))
 
     def _events(self, seq):
         try:

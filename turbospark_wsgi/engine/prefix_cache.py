@@ -28,7 +28,7 @@ class Slot:
     (reused in whole tokens), while short prompts and decode steps run on few-row products whose
     bits differ. Otherwise only whole prefill chunks aligned to multiples of the chunk size."""
 
-    __slots__ = ("cache", "ids", "exact_len", "busy", "used", "granule", "every_row", "salt")
+    __slots__ = ("cache", "ids", "exact_len", "busy", "used", "granule", "every_row", "salt", "background")
 
     def __init__(self, cache, granule, every_row=False):
         self.cache, self.ids, self.exact_len, self.busy, self.used = cache, [], 0, False, 0
@@ -36,6 +36,7 @@ class Slot:
                                     # when chunks are short windows themselves)
         self.every_row = every_row  # short prompts and decode steps are exact too
         self.salt = ""
+        self.background = False     # last held by a background run (a batch line): reused first
 
     def reusable(self, prompt, salt=None):
         """Leading ids of `prompt` this slot can give a run salted `salt` (None: the slot's own)."""

@@ -42,6 +42,7 @@ class Sequence:
         self.events = [Prefill(self.cached, len(prompt))]
         self.error = None
         self.client = ""        # whose run: the batch is shared fairly between clients
+        self.background = False     # a batch line: runs only in the rows and steps live runs leave
         # speculative decoding: events of kept proposals not yet polled, as [(events, completion
         # before them)]; the prompt-lookup index (built at the first proposal); recent acceptance
         self.ahead, self.lookup, self.acceptance = [], None, Acceptance()
@@ -182,20 +183,20 @@ class Scheduler:
         self.steps = 0              # steps run so far
         self._clock = 0             # acquisition counter, for least-recently-used slot reuse
 
-    def add(self, prompt, params, should_stop=None, client="", salt=""):
-        return self._start(Sequence, prompt, params, should_stop, client, salt)
+    def add(self, prompt, params, should_stop=None, client="", salt="", background=False):
+        return self._start(Sequence, prompt, params, should_stop, client, salt, background)
 
-    def add_scoring(self, prompt, top, should_stop=None, client="", salt=""):
-        return self._start(Scoring, prompt, top, should_stop, client, salt)
+    def add_scoring(self, prompt, top, should_stop=None, client="", salt="", background=False):
+        return self._start(Scoring, prompt, top, should_stop, client, salt, background)
 
-    def _start(self, kind, prompt, options, should_stop, client, salt):
-        slot = self.acquire(prompt, salt)
+    def _start(self, kind, prompt, options, should_stop, client, salt, background=False):
+        slot = self.acquire(prompt, salt, background)
         seq = kind(slot, self.tokenizer, prompt, options, should_stop, self.chunk, self.max_context)
-        seq.client = client
+        seq.client, seq.background = client, background
         self.active.append(seq)
         return seq
 
-    def acquire(self, prompt, salt=""):
+    def acquire(self, prompt, salt="", background=False):
         """A free slot: the one holding the longest prefix of `prompt` reusable under `salt`; without
         any, a new slot while fewer than max_batch exist, else the least recently used (so a warm
         prefix survives unrelated requests as long as it can); with none free, a new one up to
@@ -204,7 +205,9 @@ class Scheduler:
         NOTE(related): a slot counts as related only when the prompt reuses at least as many of its
         ids as it would throw away. Chats all start with the same few template tokens; without
         this, a new conversation would take over the slot of another one (reusing those few
-        tokens, dropping the rest) and that conversation's next turn would find nothing."""
+        tokens, dropping the rest) and that conversation's next turn would find nothing.
+        NOTE(background): a slot a batch line held last goes before any other, so batch lines
+        reuse each other's slots and leave live conversations' prefixes where they were."""
         free = [s for s in self.slots if not s.busy]
 
         def related(slot):
@@ -219,11 +222,11 @@ class Scheduler:
                 best = Slot(self.model.new_cache(self.max_context), granule, every_row)
                 self.slots.append(best)
             elif best is not None:
-                best = min(free, key=lambda s: s.used)
+                best = min(free, key=lambda s: (not s.background, s.used))
         if best is None:
             raise RuntimeError(f"all {self.max_slots} sequence slots are busy")
         self._clock += 1
-        best.busy, best.used = True, self._clock
+        best.busy, best.used, best.background = True, self._clock, background
         best.claim(salt)
         return best
 
@@ -276,19 +279,16 @@ class Scheduler:
         never changes a row, see model.decode_batch). A client with one sequence among another
         client's many runs at the next step instead of after one of theirs ends; the queue gives
         it the slot (LockQueue's spare places)."""
-        live = [s for s in self.active if not s.finished]
-        if len(live) <= self.max_batch:
-            return live
-        lanes = {}
-        for seq in live:
-            lanes.setdefault(seq.client, []).append(seq)
-        chosen, depth = set(), 0
-        while len(chosen) < self.max_batch:
-            for lane in lanes.values():
-                if depth < len(lane) and len(chosen) < self.max_batch:
-                    chosen.add(id(lane[depth]))
-            depth += 1
-        return [s for s in live if id(s) in chosen]
+        running = [s for s in self.active if not s.finished]
+        live = [s for s in running if not s.background]
+        if len(live) < len(running):
+            # NOTE(background): batch lines take the rows live runs leave, and no step while a live
+            # prompt is prefilling, so a live request's first token waits for no batch line
+            if any(s.state == _PREFILL for s in live):
+                return _fair_rows(self.max_batch, live)
+            rest = [s for s in running if s.background][:max(0, self.max_batch - len(live))]
+            return _fair_rows(self.max_batch, live) + rest
+        return _fair_rows(self.max_batch, running)
 
     @staticmethod
     def _next_prefill(prefilling, decoding):
@@ -377,3 +377,19 @@ def _isolated(seq, work, *args):
     except Exception as e:     # noqa: BLE001 - whatever it was, it ends this sequence only
         seq.fail(e)
         seq.slot.forget()
+
+
+def _fair_rows(most, live):
+    """Up to `most` of `live`: all when they fit, else each client's fair share (Scheduler._batch)."""
+    if len(live) <= most:
+        return live
+    lanes = {}
+    for seq in live:
+        lanes.setdefault(seq.client, []).append(seq)
+    chosen, depth = set(), 0
+    while len(chosen) < most:
+        for lane in lanes.values():
+            if depth < len(lane) and len(chosen) < most:
+                chosen.add(id(lane[depth]))
+        depth += 1
+    return [s for s in live if id(s) in chosen]

@@ -11,10 +11,13 @@ from ..config import Config
 from ..errors import (ApiError, EngineError, InvalidRequest, MethodNotAllowed, NotFound, PayloadTooLarge,
                       Unauthorized, UnsupportedMediaType)
 from ..serving import compute
+from ..serving.batch_store import open_batch_store
 from ..serving.response_store import open_store
 from ..serving.service import Service
 from . import refusal
+from .batch_runner import BatchRunner
 from .middleware import ApiKeyAuth, BodyLimit, Cors, RequestContext, request_id
+from .resources.batches import BatchCancel, BatchItem, Batches, FileContent, FileItem, Files
 from .resources.chat import ChatCompletions
 from .resources.completions import Completions
 from .resources.embeddings import Embeddings
@@ -51,12 +54,12 @@ def create_app(config=None, service=None):
     # NOTE(order): CORS answers preflights before auth; its process_response also reaches 401s.
     app = falcon.App(middleware=[RequestContext(config.replica_id, config.body_timeout),
                                  Cors(config.cors_origins), ApiKeyAuth(config.api_keys),
-                                 BodyLimit(config.max_body)])
+                                 BodyLimit(config.max_body, {"/v1/files": config.batch_file_bytes + MULTIPART_HEADS})])
     app.req_options.strip_url_path_trailing_slash = True
     json_handler = falcon.media.JSONHandler(dumps=functools.partial(
         json.dumps, ensure_ascii=False, separators=(",", ":")))
     app.resp_options.media_handlers[falcon.MEDIA_JSON] = json_handler
-    add_routes(app, service, config)
+    runner = add_routes(app, service, config)
     # NOTE(overload): the worker answers these routes' first refusal (a full server) from the head
     refusal.install(service.check_room, config, REFUSED_WHEN_FULL, envelope_for, BODY_ROUTES)
     app.add_error_handler(Exception, _handle_unexpected)
@@ -64,18 +67,21 @@ def create_app(config=None, service=None):
     app.add_error_handler(ApiError, _handle_api_error)
     if config.load_default:
         service.start_loading()
+        runner.start()          # NOTE(resume): batches a stopped server left go on
     return app
 
+
+MULTIPART_HEADS = 64 * 1024     # bytes an upload's body may hold beyond its file: the form's other parts
 
 # The POST routes whose first step is Service.check_room (see refusal.py).
 REFUSED_WHEN_FULL = ("/v1/completions", "/v1/chat/completions", "/v1/messages", "/v1/responses")
 # The POST routes that read a JSON body: the worker answers their 413 from a head over the limit.
 BODY_ROUTES = REFUSED_WHEN_FULL + ("/v1/embeddings", "/v1/messages/count_tokens", "/v1/moderations", "/tokenize",
-                                   "/detokenize")
+                                   "/detokenize", "/v1/batches")
 
 
 def add_routes(app, service, config):
-    """The route table: the only place a path is bound to a resource."""
+    """The route table: the only place a path is bound to a resource. Returns the app's BatchRunner."""
     app.add_route("/v1/completions", Completions(service, config.max_body))
     app.add_route("/v1/chat/completions", ChatCompletions(service, config.max_body))
     app.add_route("/v1/embeddings", Embeddings(service, config))
@@ -87,6 +93,16 @@ def add_routes(app, service, config):
     app.add_route("/v1/responses", Responses(service, store, config.max_body))
     app.add_route("/v1/responses/{response_id}", StoredResponse(store))
     app.add_route("/v1/moderations", Moderations(service, config))
+    # NOTE(batch): files and batches on disk (TURBOSPARK_DATA) or in Redis: whichever worker or
+    # replica takes a batch's lease runs it, any of them answers for it
+    batch_store = open_batch_store(config)
+    runner = BatchRunner(app, batch_store, config)
+    app.add_route("/v1/files", Files(batch_store, config.body_timeout))
+    app.add_route("/v1/files/{file_id}", FileItem(batch_store))
+    app.add_route("/v1/files/{file_id}/content", FileContent(batch_store))
+    app.add_route("/v1/batches", Batches(batch_store, config.max_body, runner.wake))
+    app.add_route("/v1/batches/{batch_id}", BatchItem(batch_store))
+    app.add_route("/v1/batches/{batch_id}/cancel", BatchCancel(batch_store, runner.wake))
     app.add_route("/v1/models", Models(service))
     app.add_route("/v1/models/{model_id:path}", Model(service))
     app.add_route("/health", Health(service))
@@ -98,6 +114,7 @@ def add_routes(app, service, config):
     if config.web_ui:
         # NOTE(sink): the chat page is no API route, so it stays out of the route table and the spec
         app.add_sink(WebUi(), SINK_PATTERN)
+    return runner
 
 
 def envelope_for(path):

@@ -22,6 +22,7 @@ access_log = logging.getLogger("turbospark.access")
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 _JSON_TYPES = ("application/json",)
 _READ_BLOCK = 64 * 1024
+BATCH_CALLER = "turbospark.batch_caller"    # the environ key of a batch line's Caller (see caller())
 TIME_LIMIT_HEADER = "x-turbospark-time-limited"     # the generation hit TURBOSPARK_MAX_GENERATION_SECONDS
 
 
@@ -147,15 +148,17 @@ class Cors:
 
 
 class BodyLimit:
-    """Refuses a declared Content-Length over the limit before anything is read (413)."""
+    """Refuses a declared Content-Length over the limit (`paths`: another limit for a route) before
+    anything is read (413)."""
 
-    def __init__(self, limit):
-        self._limit = limit
+    def __init__(self, limit, paths=None):
+        self._limit, self._paths = limit, dict(paths or {})
 
     def process_request(self, req, resp):
         length = req.content_length
-        if length is not None and length > self._limit:
-            raise too_large(length, self._limit)
+        limit = self._paths.get(req.path, self._limit)
+        if length is not None and length > limit:
+            raise too_large(length, limit)
 
 
 def read_json(req, limit, timeout=None):
@@ -286,6 +289,12 @@ class Caller:
     address: str            # its peer address (WSGI's REMOTE_ADDR)
     client: str             # its name for fair queueing: a digest of its key (any key, also on an
                             # open server), else its address
+    background: bool = False    # a Batch API line run on its key's behalf (http/batch_runner.py)
+
+    @property
+    def queue_as(self):
+        """(client, background): how its requests take their turn (Service.check_room)."""
+        return self.client, self.background
 
     @property
     def owner(self):
@@ -298,7 +307,10 @@ def caller(req):
     """The request's Caller: its key is read from the headers and hashed once per request."""
     found = getattr(req.context, "caller", None)
     if found is None:
-        found = req.context.caller = caller_of(api_key(req), req.remote_addr)
+        # NOTE(batch): only the batch runner, calling the app in this process, puts a Caller in the
+        # environ; a client's request can set no such key (its headers arrive as HTTP_* keys)
+        found = req.env.get(BATCH_CALLER) or caller_of(api_key(req), req.remote_addr)
+        req.context.caller = found
     return found
 
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from ..engine import ConstraintError, Finish, FinishReason, Paused, Prefill, Scores, Token
 from ..errors import ApiError, EngineError, InvalidRequest
-from . import compute
+from . import compute, priority
 
 log = logging.getLogger("turbospark.service")
 
@@ -384,9 +384,9 @@ class Generation:
         scored = []
         self._steps = yield from self._pace.result(compute.submit(
             self._engine.score, self._ids, self._params.logprobs, should_stop=self._cancel.is_set,
-            client=self._req.client, cache_salt=self._req.cache_salt))
+            client=self._req.client, cache_salt=self._req.cache_salt, background=self._req.background))
         while True:
-            event = yield from self._pace.result(compute.submit(next, self._steps, None))
+            event = yield from self._next_event()
             if event is None or isinstance(event, Finish) and event.reason == FinishReason.CANCELLED:
                 return None
             if isinstance(event, Finish):
@@ -420,9 +420,9 @@ class Generation:
             return True
         self._steps = yield from self._pace.result(compute.submit(
             self._engine.generate, self._ids, params, should_stop=self._cancel.is_set, client=self._req.client,
-            cache_salt=self._req.cache_salt))
+            cache_salt=self._req.cache_salt, background=self._req.background))
         while True:
-            event = yield from self._pace.result(compute.submit(next, self._steps, None))
+            event = yield from self._next_event()
             if event is None:
                 return False
             if isinstance(event, Finish):
@@ -452,6 +452,18 @@ class Generation:
         for out in outs:
             self._pace.heard()
             yield out
+
+    def _next_event(self):
+        """The run's next engine event (None at its end), one compute job. NOTE(priority): a batch
+        line's job waits while a live request is on its way to its first token, and one that was
+        already queued when it came runs no step (the live request's jobs go first)."""
+        if not self._req.background:
+            return (yield from self._pace.result(compute.submit(next, self._steps, None)))
+        while True:
+            priority.live.hold_back()
+            event = yield from self._pace.result(compute.submit(priority.next_unless_live, self._steps))
+            if event is not priority.HELD:
+                return event
 
     def _out_of_time(self):
         return bool(self._time_limit) and time.monotonic() - self.started_at >= self._time_limit

@@ -2,6 +2,9 @@
 the engine), up to `max_waiting` more wait, taking turns between clients (FIFO within a client).
 Up to `spare` more may hold at once, each for a client below its fair share of the `slots` (the
 engine pauses the sequences of a client above its share, so the newcomer starts at once).
+Background tickets (the Batch API's lines) come after every live one: one takes a slot only while
+a slot is free and no live request waits, and live requests count no background holder against
+their slots (the engine runs live sequences first, see scheduler.Scheduler._batch).
 
     queue.check_room()                      # Overloaded at once when full (no place taken, no lock)
     ticket = queue.enqueue(cancel, client)  # Overloaded (503 + Retry-After) when the queue is full
@@ -40,9 +43,9 @@ class Cancelled(Exception):
 
 
 class Ticket:
-    __slots__ = ("_queue", "_state", "_deadline", "enqueued_at", "acquired_at", "client", "turn")
+    __slots__ = ("_queue", "_state", "_deadline", "enqueued_at", "acquired_at", "client", "turn", "background")
 
-    def __init__(self, queue, deadline, client="", turn=0):
+    def __init__(self, queue, deadline, client="", turn=0, background=False):
         self._queue = queue
         self._state = _WAITING
         self._deadline = deadline
@@ -50,6 +53,7 @@ class Ticket:
         self.acquired_at = None
         self.client = client        # whose request (see enqueue)
         self.turn = turn            # the client's tickets ahead of this one when it came
+        self.background = background    # a batch line: below every live request
 
     @property
     def holding(self):
@@ -94,13 +98,18 @@ class LockQueue:
 
     @property
     def depth(self):
-        """Requests waiting for their turn (not counting the running ones)."""
-        return len(self._waiting)
+        """Live requests waiting for their turn (not counting the running ones, nor batch lines)."""
+        return sum(1 for t in self._waiting if not t.background)
 
     @property
     def running(self):
         """Tickets holding a slot (more than `slots` while spare places serve other clients)."""
         return len(self._holders)
+
+    @property
+    def background(self):
+        """(holding, waiting) batch lines."""
+        return (sum(1 for t in self._holders if t.background), sum(1 for t in self._waiting if t.background))
 
     def shut_down(self):
         """Refuses new tickets and wakes every waiter, which leaves with Overloaded (503)."""
@@ -122,33 +131,34 @@ class LockQueue:
                 if self._full() and not self._may_hold(client):
                     raise self._busy()
 
-    def enqueue(self, cancel=None, client=""):
+    def enqueue(self, cancel=None, client="", background=False):
         """A new ticket for `client`; Overloaded when `max_waiting` are already waiting.
 
         NOTE(fair): waiters take turns between clients. A ticket's turn is how many tickets its client
         already has in the queue (running or waiting); it waits behind every waiter whose turn is not
         later than its own, so a client with nothing queued goes before the 9th request of a client
         that fills the batch, and each client's own requests stay in order. With one client (or
-        none named) this is plain FIFO."""
+        none named) this is plain FIFO. A `background` ticket is never refused for a full queue (the
+        batch runner bounds its own lines) and has no wait timeout."""
         with self._condition():
             if self.shutting_down:
                 raise _shutting_down(self.retry_after)
-            if self._full() and not self._may_hold(client):
+            if not background and self._full() and not self._may_hold(client):
                 raise self._busy()
-            deadline = time.monotonic() + self.timeout if self.timeout else None
-            turn = sum(1 for t in self._tickets() if t.client == client)
-            ticket = Ticket(self, deadline, client, turn)
-            self._waiting.insert(self._place(turn), ticket)
+            deadline = time.monotonic() + self.timeout if self.timeout and not background else None
+            turn = sum(1 for t in self._tickets() if t.client == client and t.background == background)
+            ticket = Ticket(self, deadline, client, turn, background)
+            self._waiting.insert(len(self._waiting) if background else self._place(turn), ticket)
             self._grant()
         if cancel is not None:
             cancel.on_cancel(ticket.abandon)
         return ticket
 
     @contextlib.contextmanager
-    def slot(self, cancel=None, timeout=None):
+    def slot(self, cancel=None, timeout=None, background=False):
         """Holds the lock for the `with` body. Raises Cancelled if `cancel` fires while queued,
         Overloaded if the queue is full or `timeout` (default: the queue's) passes first."""
-        ticket = self.enqueue(cancel)
+        ticket = self.enqueue(cancel, background=background)
         if timeout is not None:
             ticket._deadline = time.monotonic() + timeout if timeout else None
         try:
@@ -163,13 +173,14 @@ class LockQueue:
         yield from self._waiting
 
     def _place(self, turn):
-        """Where among the waiters a ticket of `turn` goes: after every waiter not later than it."""
+        """Where among the waiters a live ticket of `turn` goes: after every live waiter not later
+        than it, before every background one."""
         place = len(self._waiting)
-        while place > 0 and self._waiting[place - 1].turn > turn:
+        while place > 0 and (self._waiting[place - 1].background or self._waiting[place - 1].turn > turn):
             place -= 1
         return place
 
-    def _may_hold(self, client):
+    def _may_hold(self, client, background=False):
         """Whether a ticket of `client` may take the lock now: a free slot, or a spare place while
         `client` holds less than its fair share of the slots (`slots` / the clients with tickets).
 
@@ -178,13 +189,16 @@ class LockQueue:
         the engine's scheduler then runs each client's share of the batch and pauses the rest of the
         first client's sequences (their K/V kept). One client alone never takes a spare place, so its
         requests run and wait exactly as before."""
-        held = len(self._holders)
+        if background:
+            return len(self._holders) < self.slots and not any(not t.background for t in self._waiting)
+        live = [t for t in self._holders if not t.background]
+        held = len(live)
         if held < self.slots:
             return True
         if held >= self.slots + self.spare:
             return False
-        clients = {t.client for t in self._tickets()} | {client}
-        mine = sum(1 for t in self._holders if t.client == client)
+        clients = {t.client for t in self._tickets() if not t.background} | {client}
+        mine = sum(1 for t in live if t.client == client)
         return mine * len(clients) < self.slots
 
     def _grant(self):
@@ -192,13 +206,14 @@ class LockQueue:
         if self.shutting_down:
             return
         for ticket in list(self._waiting):
-            if self._may_hold(ticket.client):
+            if self._may_hold(ticket.client, ticket.background):
                 self._waiting.remove(ticket)
                 self._holders.append(ticket)
                 ticket._state, ticket.acquired_at = _HOLDING, time.monotonic()
 
     def _full(self):
-        return len(self._holders) >= self.slots and self.depth >= self.max_waiting
+        live = sum(1 for t in self._holders if not t.background)
+        return live >= self.slots and self.depth >= self.max_waiting
 
     def _busy(self):
         return Overloaded(f"the server is busy: {self.depth} requests are already waiting",

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from .. import metrics
 from ..engine import SamplingParams
 from ..errors import ApiError, InvalidRequest
-from . import compute
+from . import compute, priority
 from .cancel import CancelToken
 from .generation import Generation, PromptBatch
 from .guardrails import Guardrails
@@ -54,6 +54,7 @@ class GenerationRequest:
     cache_salt: str = ""                    # only runs with the same salt share cached prompt prefixes:
                                             # the request's own (vLLM's), after its key's with isolation
     guardrails: list = field(default_factory=list)  # (rule id, action) of the input rules that redacted
+    background: bool = False                # a batch line: queued and stepped below every live request
 
 
 @dataclass(slots=True)
@@ -66,6 +67,7 @@ class EmbeddingRequest:
     dimensions: int | None = None       # None: the model's own
     truncate: int | None = None         # vLLM's truncate_prompt_tokens: keep each input's last N tokens
                                         # (-1: the model's limit); None: over-long inputs are refused
+    background: bool = False            # a batch line: below every live request
 
 
 @dataclass(slots=True)
@@ -96,11 +98,13 @@ class Service:
         self._loading_pid = None
         self._load_error = None
 
-    def check_room(self, client=""):
+    def check_room(self, client="", background=False):
         """Overloaded (503 + Retry-After) at once when the queue has no place left for `client`: the
         first step of admission, which the generation routes take before reading the body and `run`
-        takes again before resolving the model. `enqueue` stays the definitive check."""
-        self.queue.check_room(client)
+        takes again before resolving the model. `enqueue` stays the definitive check. A background
+        request (a batch line) always has a place: it waits below the live ones."""
+        if not background:
+            self.queue.check_room(client)
 
     def run(self, req, cancel):
         """Admits `req` now (room, model, tokens, context, queue: ApiError on refusal) and returns a
@@ -108,16 +112,25 @@ class Service:
         self.prompts.check_without_model(req, self.queue)          # NOTE(order): no model needed, so before resolving one
         # NOTE(overload): a full server refuses before the model is resolved and the prompt rendered
         # and tokenized: that work, sharing the GIL with a busy compute thread, made 503s slow.
-        self.queue.check_room(req.client)
-        lease = self.registry.acquire(req.model)
+        self.check_room(req.client, req.background)
+        # NOTE(priority): from here to its first token a live request holds batch lines back
+        arrival = None if req.background else priority.live.arrive()
+        try:
+            lease = self.registry.acquire(req.model)
+        except BaseException:
+            arrival and arrival.done()
+            raise
         # NOTE(lease): a model in use is never unloaded: the generation releases it when it closes
-        on_close = (lease.release, lambda: metrics.observe_queue(self.queue))
+        on_close = (lease.release, lambda: metrics.observe_queue(self.queue)) + ((arrival.done,) if arrival else ())
         try:
             _generating(lease.engine, req.model or self.default_model)
             gen = self._admit(lease.engine, req, cancel, on_close)
         except BaseException:
             lease.release()
+            arrival and arrival.done()
             raise
+        if arrival is not None:
+            gen.on_token(arrival.done)
         metrics.observe_queue(self.queue)
         return gen
 
@@ -125,7 +138,7 @@ class Service:
         if req.prompts is not None:
             return self._admit_batch(engine, req, cancel, on_close)
         ids, params, grammar, plan = self.prompts.prepare(engine, req)
-        ticket = self.queue.enqueue(cancel, client=req.client)
+        ticket = self.queue.enqueue(cancel, client=req.client, background=req.background)
         return Generation(engine, ids, params, req, cancel, ticket, self.config.keepalive, grammar, plan=plan,
                           time_limit=self.config.max_generation_seconds, on_close=on_close)
 
@@ -140,7 +153,7 @@ class Service:
                 # NOTE(cancel): each run ends its own token when it closes; the request's token ends them all.
                 token = CancelToken()
                 cancel.on_cancel(token.cancel)
-                ticket = self.queue.enqueue(token, client=req.client)
+                ticket = self.queue.enqueue(token, client=req.client, background=req.background)
                 gens.append(Generation(engine, ids, params, r, token, ticket, self.config.keepalive, grammar,
                                        poll=True, time_limit=self.config.max_generation_seconds))
         except BaseException:
@@ -198,7 +211,7 @@ class Service:
     def embed(self, req):
         """An EmbeddingResult for an EmbeddingRequest: the inputs checked, then run through the
         model's encoder on the compute thread (ApiError on refusal)."""
-        self.queue.check_room()
+        self.check_room(background=req.background)
         name = req.model or self.default_model
         lease = self.registry.acquire(req.model)
         try:
@@ -218,7 +231,7 @@ class Service:
             vectors = []
             # NOTE(queue): a place in the same FIFO as generations (503 when it is full), held while
             # the chunks run, so a flood of embeddings waits its turn instead of crowding the compute thread
-            with self.queue.slot():
+            with self.queue.slot(background=req.background):
                 for chunk in _chunks(seqs, EMBED_CHUNK, engine.embed_chunk_tokens):
                     vectors.extend(compute.run(engine.embed, chunk, req.dimensions).tolist())
             return EmbeddingResult(vectors, sum(len(s) for s in seqs), name)

@@ -28,7 +28,7 @@ def begin(service, req, gen, prefix="messages"):
     starts a disconnect watcher on the client socket. `prefix`: the request field of the messages,
     as input guardrails name it. What the input rules did is in `gen.guardrails`."""
     who = caller(req)
-    gen.request_id, gen.client = request_id(req), who.client
+    gen.request_id, gen.client, gen.background = request_id(req), who.client, who.background
     if service.config.cache_per_key:
         gen.cache_salt = who.owner + gen.cache_salt     # NOTE(salt): 32 hex digits first, so never ambiguous
     rules = service.guardrails.rules_for(who.digest, req.path)

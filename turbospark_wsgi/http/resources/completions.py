@@ -12,7 +12,7 @@ class Completions:
         self._max_body = max_body
 
     def on_post(self, req, resp):
-        self._service.check_room(caller(req).client)   # NOTE(overload): a full server says so before any work
+        self._service.check_room(*caller(req).queue_as)   # NOTE(overload): a full server says so before any work
         # NOTE(order): every check that needs no model runs in parse_completion, before the
         # service resolves (and maybe loads) the model.
         gen, degraded = openai.parse_completion(read_json(req, self._max_body), self._service.config.max_prompts)

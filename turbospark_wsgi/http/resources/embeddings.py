@@ -12,6 +12,7 @@ class Embeddings:
     def on_post(self, req, resp):
         request, fmt = embeddings.parse_embeddings(read_json(req, self._max_body), self._max_inputs)
         who = caller(req)
+        request.background = who.background
         permit = self._service.limits.admit(who.digest, who.address)
         result = permit.call(self._service.embed, request)
         permit.settle(result.prompt_tokens)

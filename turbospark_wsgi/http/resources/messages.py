@@ -12,7 +12,7 @@ class Messages:
         self._max_body = max_body
 
     def on_post(self, req, resp):
-        self._service.check_room(caller(req).client)   # NOTE(overload): a full server says so before any work
+        self._service.check_room(*caller(req).queue_as)   # NOTE(overload): a full server says so before any work
         gen = parse_messages_request(read_json(req, self._max_body))
         events, watcher = begin(self._service, req, gen)
         reply = MessageReply(gen.model or self._service.default_model, gen.chat.parallel_tool_calls)

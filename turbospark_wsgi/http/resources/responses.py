@@ -24,7 +24,7 @@ class Responses:
         self._max_body = max_body
 
     def on_post(self, req, resp):
-        self._service.check_room(caller(req).client)   # NOTE(overload): a full server says so before any work
+        self._service.check_room(*caller(req).queue_as)   # NOTE(overload): a full server says so before any work
         # NOTE(order): the body and the stored history are checked before any model is resolved.
         request = parse_responses(read_json(req, self._max_body))
         owner = caller(req).owner

@@ -205,6 +205,35 @@ _SCHEMAS = {
         "queue": {"type": "object", "properties": {"waiting": _INT, "running": _INT, "max_waiting": _INT}}}},
 }
 
+_COUNTS = {"type": "object", "properties": {"total": _INT, "completed": _INT, "failed": _INT}}
+_SCHEMAS.update({
+    "File": {"type": "object", "required": ["id", "object", "bytes", "created_at", "filename", "purpose"],
+             "properties": {"id": _STR, "object": {"const": "file"}, "bytes": _INT, "created_at": _INT,
+                            "filename": _STR, "purpose": _STR, "status": _STR}},
+    "FileList": {"type": "object", "properties": {"object": {"const": "list"},
+                                                  "data": {"type": "array", "items": _ref("File")},
+                                                  "has_more": _BOOL}},
+    "FileDeleted": {"type": "object", "properties": {"id": _STR, "object": {"const": "file"}, "deleted": _BOOL}},
+    "FileUpload": {"type": "object", "required": ["purpose", "file"],
+                   "properties": {"purpose": {"enum": ["batch", "user_data"]},
+                                  "file": {"type": "string", "format": "binary"}}},
+    "BatchCreateRequest": {"type": "object", "required": ["input_file_id", "endpoint"], "properties": {
+        "input_file_id": _STR,
+        "endpoint": {"enum": ["/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses"]},
+        "completion_window": {"type": "string", "description": "24h (or any duration such as 30m, 90s; at most 168h)"},
+        "metadata": {"type": "object", "additionalProperties": _STR}}},
+    "Batch": {"type": "object", "required": ["id", "object", "endpoint", "input_file_id", "completion_window",
+                                             "status", "created_at"], "properties": {
+        "id": _STR, "object": {"const": "batch"}, "endpoint": _STR, "input_file_id": _STR,
+        "completion_window": _STR, "created_at": _INT,
+        "status": {"enum": ["validating", "failed", "in_progress", "finalizing", "completed", "expired",
+                            "cancelling", "cancelled"]},
+        "output_file_id": _NULL_STR, "error_file_id": _NULL_STR, "request_counts": _COUNTS}},
+    "BatchList": {"type": "object", "properties": {"object": {"const": "list"},
+                                                   "data": {"type": "array", "items": _ref("Batch")},
+                                                   "has_more": _BOOL}},
+})
+
 _SSE = {"text/event-stream": {"schema": _STR}}
 
 
@@ -260,6 +289,27 @@ def spec(version="0"):
             "/v1/responses/{response_id}": {
                 **_get("A stored response of this worker", _json(_ref("Response")), ("response_id",)),
                 **_delete("Forget a stored response", _json(_ref("ResponseDeleted")), ("response_id",))},
+            "/v1/files": {
+                "post": dict(_post("Upload a file (purpose 'batch': a JSONL batch input)", "FileUpload", "File",
+                                   stream=False)["post"],
+                             requestBody={"required": True, "content": {"multipart/form-data": {
+                                 "schema": _ref("FileUpload")}}}),
+                **_get("This key's files", _json(_ref("FileList")), query_params=("purpose", "after", "limit"))},
+            "/v1/files/{file_id}": {
+                **_get("One of this key's files", _json(_ref("File")), ("file_id",)),
+                **_delete("Delete a file", _json(_ref("FileDeleted")), ("file_id",))},
+            "/v1/files/{file_id}/content": _get("A file's bytes", {"application/octet-stream": {"schema": _STR}},
+                                                ("file_id",)),
+            "/v1/batches": {
+                **_post("Create a batch over an uploaded file; it runs below live traffic", "BatchCreateRequest",
+                        "Batch", stream=False),
+                **_get("This key's batches, newest first", _json(_ref("BatchList")), query_params=("after", "limit"))},
+            "/v1/batches/{batch_id}": _get("One of this key's batches", _json(_ref("Batch")), ("batch_id",)),
+            "/v1/batches/{batch_id}/cancel": {"post": dict(
+                _post("Cancel a batch (its finished lines are kept)", "BatchCreateRequest", "Batch",
+                      stream=False)["post"], parameters=[{"name": "batch_id", "in": "path", "required": True,
+                                                          "schema": _STR}], requestBody={"required": False,
+                                                                                         "content": {}})},
             "/v1/models": _get("Installed models", _json(_ref("ModelList"))),
             "/v1/models/{model_id}": _get("One installed model", _json(_ref("Model")), ("model_id",)),
             "/tokenize": _post("Token ids of a prompt or chat, as generation would see them", "TokenizeRequest",
