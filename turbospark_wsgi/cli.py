@@ -148,13 +148,13 @@ def cmd_pull(args):
 def cmd_models(args):
     from .engine.engine import chat_template_status
     from .engine.loader import weight_storage
-    from .serving.registry import is_embedding_model, model_capabilities
+    from .serving.registry import model_capabilities, model_kind
 
     rows = installed_models(models_dir(args))
     if not rows:
         print(f"no models in {models_dir(args)}; try `turbospark pull`", file=sys.stderr)
     for model_id, size, path in rows:
-        kind = "embedding" if is_embedding_model(str(path)) else "generation"
+        kind = model_kind(str(path))
         template = chat_template_status(str(path)) if kind == "generation" else ""
         print(f"{model_id}\t{size / 2**20:.1f} MiB\t{path}\t{','.join(model_capabilities(kind))}\t"
               f"{weight_storage(str(path))}\t{template}")

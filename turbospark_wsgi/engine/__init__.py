@@ -10,11 +10,11 @@ drive it one step at a time from a compute thread. Up to `max_batch` runs of one
 decode step (engine/scheduler.py), and up to `max_paused` more wait paused beside them, the rows
 shared fairly between clients; all of them are driven from that one thread.
 """
-from .events import ConstraintError, Finish, FinishReason, Paused, Prefill, Scores, Token
+from .events import ConstraintError, Finish, FinishReason, Paused, Prefill, QueryTooLong, Scores, Token
 from .options import EngineOptions
 
 __all__ = ["Engine", "EngineOptions", "load_engine", "SamplingParams", "FinishReason", "Paused", "Prefill", "Scores",
-           "Token", "Finish", "ConstraintError"]
+           "Token", "Finish", "ConstraintError", "QueryTooLong"]
 
 
 def __getattr__(name):  # keep `import turbospark_wsgi.engine` cheap: numpy/tokenizers load on first use

@@ -9,7 +9,8 @@ sharing `Transformer` would add a branch to each of its steps for one forward pa
     vectors = enc.embed([enc.encode("a sentence"), enc.encode("another")])   # float32 [2, dim]
 
 numpy, float32, CPU. The directory holds model.safetensors, config.json, tokenizer.json,
-modules.json and 1_Pooling/config.json (the files sentence-transformers writes).
+modules.json and 1_Pooling/config.json (the files sentence-transformers writes). `BertStack`, the
+encoder without its pooling, is what cross_encoder.py's rerankers run too.
 """
 import contextlib
 import os
@@ -45,22 +46,23 @@ def load_encoder(path, options=None, *, name=None):
     return Encoder(path, name=name, threads=(options or EngineOptions()).encoder_threads)
 
 
-class Encoder:
-    """A BERT encoder with its tokenizer, pooling and normalisation."""
+class BertStack:
+    """A BERT (or XLM-RoBERTa) encoder stack with its tokenizer: what embedding and reranking models
+    (cross_encoder.py) share, from config.json, tokenizer.json and model.safetensors."""
 
-    kind = "embedding"
-    capabilities = ("embedding",)
+    model_types = ("bert",)
     backend = "numpy"
     backend_reason = "the encoder runs on the CPU"
-    embed_chunk_tokens = MAX_BATCH_TOKENS   # tokens of inputs one compute-thread call embeds
 
     def __init__(self, path, name=None, threads=1):
         self.path = str(path)
         self.threads = threads      # BLAS threads of the products (ENCODER_THREADS below)
         self.name = name or os.path.basename(self.path.rstrip(os.sep))
-        cfg = _read_json(path, "config.json")
-        if cfg.get("model_type") != "bert":
-            raise EncoderError(f"unsupported encoder model_type {cfg.get('model_type')!r} (bert only)")
+        cfg = self.config = _read_json(path, "config.json")
+        model_type = cfg.get("model_type")
+        if model_type not in self.model_types:
+            raise EncoderError(f"unsupported encoder model_type {model_type!r} "
+                               f"({', '.join(self.model_types)} only)")
         if cfg.get("position_embedding_type", "absolute") != "absolute":
             raise EncoderError("only absolute position embeddings are supported")
         if cfg.get("hidden_act", "gelu") != "gelu":
@@ -70,11 +72,10 @@ class Encoder:
         self.hidden = int(cfg["hidden_size"])
         self.eps = float(cfg.get("layer_norm_eps", 1e-12))
         self.vocab_size = int(cfg["vocab_size"])
-        self.pooling, self.normalize = _pooling(path)
-        self.max_tokens = min(int(cfg.get("max_position_embeddings", 512)), _max_seq_length(path))
-        self.max_context = self.max_tokens      # what /health reports for any model
-        self.dim = self.hidden
-        self.matryoshka = _declares_matryoshka(path)
+        self.pad_id = int(cfg.get("pad_token_id", 0) or 0)
+        # NOTE(positions): XLM-RoBERTa numbers positions from padding_idx + 1 (its pad token's id)
+        self.position_offset = self.pad_id + 1 if model_type == "xlm-roberta" else 0
+        self.max_positions = int(cfg.get("max_position_embeddings", 512)) - self.position_offset
         try:
             self.tokenizer = model_json.tokenizer_from_file(os.path.join(path, "tokenizer.json"), Tokenizer)
         except ValueError as exc:
@@ -82,21 +83,16 @@ class Encoder:
         # NOTE(tokenizer): truncation and padding here are ours to do (limits are checked, not cut)
         self.tokenizer.no_truncation()
         self.tokenizer.no_padding()
-        self.pad_id = int(cfg.get("pad_token_id", 0) or 0)
         self.special_span = _special_span(self.tokenizer)
-        self._load_weights(os.path.join(path, "model.safetensors"))
+        self._load_weights(SafetensorsFile(os.path.join(path, "model.safetensors")))
 
     # ---- weights ---------------------------------------------------------------------------------
 
-    def _load_weights(self, file):
-        st = SafetensorsFile(file)
-        prefix = "bert." if "bert.embeddings.word_embeddings.weight" in st.names else ""
+    def _load_weights(self, st):
+        stem = next((p for p in ("bert.", "roberta.") if p + "embeddings.word_embeddings.weight" in st.names), "")
 
         def t(name):
-            try:
-                return st.tensor(prefix + name)
-            except KeyError:
-                raise EncoderError(f"model.safetensors has no tensor {prefix + name!r}") from None
+            return self._tensor(st, stem + name)
 
         e = "embeddings."
         self.word = t(e + "word_embeddings.weight")
@@ -104,6 +100,9 @@ class Encoder:
             raise EncoderError(f"word embeddings are {self.word.shape}, config says "
                                f"({self.vocab_size}, {self.hidden})")
         self.position = t(e + "position_embeddings.weight")
+        if len(self.position) < self.position_offset + 1:
+            raise EncoderError(f"position embeddings have {len(self.position)} rows, "
+                               f"too few for padding_idx {self.pad_id}")
         self.token_type = t(e + "token_type_embeddings.weight")
         self.emb_norm = (t(e + "LayerNorm.weight"), t(e + "LayerNorm.bias"))
         self.layers = []
@@ -121,56 +120,28 @@ class Encoder:
                 down=(np.ascontiguousarray(t(p + "output.dense.weight").T), t(p + "output.dense.bias")),
                 out_norm=(t(p + "output.LayerNorm.weight"), t(p + "output.LayerNorm.bias"))))
 
+    @staticmethod
+    def _tensor(st, name):
+        try:
+            return st.tensor(name)
+        except KeyError:
+            raise EncoderError(f"model.safetensors has no tensor {name!r}") from None
+
     @property
     def nbytes(self):
         arrays = [self.word, self.position, self.token_type]
         arrays += [a for layer in self.layers for pair in layer.values() for a in pair]
         return sum(a.nbytes for a in arrays)
 
-    # ---- tokens ----------------------------------------------------------------------------------
-
-    def encode(self, text):
-        """Token ids for `text`, with the model's own special tokens ([CLS] ... [SEP])."""
-        return self.tokenizer.encode(text, add_special_tokens=True).ids
-
-    def encode_batch(self, texts):
-        return [e.ids for e in self.tokenizer.encode_batch(list(texts), add_special_tokens=True)]
-
     # ---- forward ---------------------------------------------------------------------------------
 
-    def embed(self, sequences, dimensions=None):
-        """float32 [len(sequences), dim] embeddings of token-id lists (each 1..max_tokens ids, all
-        below vocab_size: the caller checks), pooled and normalised as the model declares.
-        `dimensions`: keep the first that many (Matryoshka models), normalised again."""
-        out = np.empty((len(sequences), self.dim), dtype=np.float32)
-        order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))
-        # NOTE(padding): sorted by length so each padded chunk wastes little on padding
-        start = 0
-        while start < len(order):
-            end = start + 1
-            while end < len(order) and (end - start + 1) * len(sequences[order[end]]) <= MAX_BATCH_TOKENS:
-                end += 1
-            chunk = order[start:end]
-            out[chunk] = self._embed_padded([sequences[i] for i in chunk])
-            start = end
-        if dimensions is not None and dimensions < self.dim:
-            out = normalize(out[:, :dimensions]).astype(np.float32)
-        return out
-
-    def _embed_padded(self, seqs):
-        lengths = np.array([len(s) for s in seqs])
-        T = int(lengths.max())
-        ids = np.full((len(seqs), T), self.pad_id, dtype=np.int64)
-        for row, s in enumerate(seqs):
-            ids[row, :len(s)] = s
-        mask = np.arange(T)[None, :] < lengths[:, None]
-        hidden = self.forward(ids, mask)
-        return self._pool(hidden, mask, lengths)
-
-    def forward(self, ids, mask):
-        """Last hidden states [B, T, hidden] for padded ids [B, T] with boolean mask [B, T]."""
+    def forward(self, ids, mask, type_ids=None):
+        """Last hidden states [B, T, hidden] for padded ids [B, T] with boolean mask [B, T];
+        `type_ids` [B, T]: the segment of each token (None: all the first)."""
         B, T = ids.shape
-        x = self.word[ids] + self.position[:T][None] + self.token_type[0]
+        start = self.position_offset
+        types = self.token_type[0] if type_ids is None else self.token_type[type_ids]
+        x = self.word[ids] + self.position[start:start + T][None] + types
         x = _layer_norm(x, *self.emb_norm, self.eps)
         # NOTE(mask): padded keys get a large negative score, as the reference does (not -inf: a
         # row of padding must not turn into NaN)
@@ -193,6 +164,45 @@ class Encoder:
             x = _layer_norm(x + _linear(up, *layer["down"]), *layer["out_norm"], self.eps)
         return x
 
+
+class Encoder(BertStack):
+    """A BERT encoder with its tokenizer, pooling and normalisation."""
+
+    kind = "embedding"
+    capabilities = ("embedding",)
+    embed_chunk_tokens = MAX_BATCH_TOKENS   # tokens of inputs one compute-thread call embeds
+
+    def __init__(self, path, name=None, threads=1):
+        self.pooling, self.normalize = _pooling(path)
+        super().__init__(path, name, threads)
+        self.max_tokens = min(self.max_positions, _max_seq_length(path))
+        self.max_context = self.max_tokens      # what /health reports for any model
+        self.dim = self.hidden
+        self.matryoshka = _declares_matryoshka(path)
+
+    # ---- tokens ----------------------------------------------------------------------------------
+
+    def encode(self, text):
+        """Token ids for `text`, with the model's own special tokens ([CLS] ... [SEP])."""
+        return self.tokenizer.encode(text, add_special_tokens=True).ids
+
+    def encode_batch(self, texts):
+        return [e.ids for e in self.tokenizer.encode_batch(list(texts), add_special_tokens=True)]
+
+    # ---- forward ---------------------------------------------------------------------------------
+
+    def embed(self, sequences, dimensions=None):
+        """float32 [len(sequences), dim] embeddings of token-id lists (each 1..max_tokens ids, all
+        below vocab_size: the caller checks), pooled and normalised as the model declares.
+        `dimensions`: keep the first that many (Matryoshka models), normalised again."""
+        out = np.empty((len(sequences), self.dim), dtype=np.float32)
+        for run in padded_runs([len(s) for s in sequences]):
+            ids, mask, lengths = pad([sequences[i] for i in run], self.pad_id)
+            out[run] = self._pool(self.forward(ids, mask), mask, lengths)
+        if dimensions is not None and dimensions < self.dim:
+            out = normalize(out[:, :dimensions]).astype(np.float32)
+        return out
+
     def _pool(self, hidden, mask, lengths):
         if self.pooling == "cls":
             pooled = hidden[:, 0]
@@ -204,6 +214,31 @@ class Encoder:
         if self.normalize:
             pooled = normalize(pooled)
         return pooled.astype(np.float32)
+
+
+def padded_runs(lengths):
+    """Index lists covering range(len(lengths)), shortest sequences first, each run's padded size
+    (its count x its longest length) within MAX_BATCH_TOKENS (one sequence at least).
+
+    NOTE(padding): sorted by length so each padded run wastes little on padding."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    start = 0
+    while start < len(order):
+        end = start + 1
+        while end < len(order) and (end - start + 1) * lengths[order[end]] <= MAX_BATCH_TOKENS:
+            end += 1
+        yield order[start:end]
+        start = end
+
+
+def pad(seqs, value):
+    """(ids [B, T] int64 padded with `value`, mask [B, T], lengths [B]) for lists of ids."""
+    lengths = np.array([len(s) for s in seqs])
+    T = int(lengths.max())
+    ids = np.full((len(seqs), T), value, dtype=np.int64)
+    for row, s in enumerate(seqs):
+        ids[row, :len(s)] = s
+    return ids, np.arange(T)[None, :] < lengths[:, None], lengths
 
 
 def _attention(q, k, v, scale, bias):

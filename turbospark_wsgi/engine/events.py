@@ -1,4 +1,5 @@
-"""What Engine.generate yields. Each `next()` does at most one prefill chunk or one decode step."""
+"""What Engine.generate yields (each `next()` does at most one prefill chunk or one decode step), and
+the engine's refusals of a request's input that the service turns into 4xx."""
 from dataclasses import dataclass
 
 
@@ -49,3 +50,12 @@ class Scores:
 class ConstraintError(RuntimeError):
     """A sequence's grammar failed while it ran: the grammar's doing (e.g. a parser limit that a
     client's schema reaches only after its first tokens), not the engine's."""
+
+
+class QueryTooLong(ValueError):
+    """Pair `index`'s first text leaves no room for any of the second within a cross-encoder's limit."""
+
+    def __init__(self, index, tokens, limit):
+        super().__init__(f"pair {index}: the first text has {tokens} tokens; with the special tokens this "
+                         f"model scores at most {limit} tokens per pair")
+        self.index, self.tokens, self.limit = index, tokens, limit

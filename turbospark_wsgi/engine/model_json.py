@@ -54,6 +54,18 @@ def read_object(path, name=None, missing=None, limit=MAX_JSON_BYTES):
     return value
 
 
+def is_classifier_dir(path):
+    """True for a directory whose config.json names a ...ForSequenceClassification architecture (a
+    cross-encoder: cross_encoder.py loads the ones it supports); False for anything unreadable."""
+    try:
+        cfg = read_object(os.path.join(path, "config.json"), "config.json") if os.path.isdir(path) else None
+    except ValueError:
+        return False
+    archs = cfg.get("architectures") if cfg else None
+    return isinstance(archs, list) and any(isinstance(a, str) and a.endswith("ForSequenceClassification")
+                                           for a in archs)
+
+
 def tokenizer_from_file(path, tokenizer_class=None):
     """A `tokenizers.Tokenizer` from tokenizer.json at `path`, checked first (see check_tokenizer)."""
     if tokenizer_class is None:

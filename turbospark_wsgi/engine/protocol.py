@@ -1,5 +1,6 @@
-"""What the rest of the package may use of a loaded model: `TextEngine` (Engine, generation) and
-`EmbeddingEngine` (encoder.Encoder, /v1/embeddings). A stand-in for either implements every member."""
+"""What the rest of the package may use of a loaded model: `TextEngine` (Engine, generation),
+`EmbeddingEngine` (encoder.Encoder, /v1/embeddings) and `RerankEngine` (cross_encoder.CrossEncoder,
+/v1/rerank and /v1/score). A stand-in for any of them implements every member."""
 from typing import Any, Iterator, Protocol, Sequence, runtime_checkable
 
 
@@ -94,3 +95,24 @@ class EmbeddingEngine(Protocol):
 
     def embed(self, sequences: Sequence[Sequence[int]], dimensions: int | None = None) -> Any:
         """float32 [len(seqs), dimensions or dim]."""
+
+
+@runtime_checkable
+class RerankEngine(Protocol):
+    """A cross-encoder: (first, second) text pairs in, one relevance score per pair out."""
+
+    kind: str               # "rerank"
+    capabilities: tuple     # ("rerank",)
+    name: str
+    backend: str
+    backend_reason: str
+    max_context: int        # the longest pair, in tokens
+    max_tokens: int
+    score_chunk_tokens: int  # tokens of pairs one compute-thread call to `score` should take
+
+    def encode_pairs(self, pairs: Sequence[tuple[str, str]]) -> tuple[list, list]:
+        """([(ids, segment ids or None)], [cut]): each second text's tail cut to fit max_tokens;
+        engine.QueryTooLong when a first text leaves no room."""
+
+    def score(self, pairs: Sequence[tuple]) -> Any:
+        """float32 [len(pairs)] relevance scores of encode_pairs' pairs."""

@@ -27,6 +27,7 @@ from .resources.metrics import Metrics
 from .resources.models import Model, Models
 from .resources.moderations import Moderations
 from .resources.openapi import OpenApi
+from .resources.rerank import Rerank, Score
 from .resources.responses import Responses, StoredResponse
 from .resources.tokenize import Detokenize, Tokenize, TokenizerInfo
 from .resources.webui import SINK_PATTERN, WebUi
@@ -76,8 +77,9 @@ MULTIPART_HEADS = 64 * 1024     # bytes an upload's body may hold beyond its fil
 # The POST routes whose first step is Service.check_room (see refusal.py).
 REFUSED_WHEN_FULL = ("/v1/completions", "/v1/chat/completions", "/v1/messages", "/v1/responses")
 # The POST routes that read a JSON body: the worker answers their 413 from a head over the limit.
+RERANK_ROUTES = ("/v1/rerank", "/rerank", "/v2/rerank")     # vLLM's, Jina's; llama.cpp's; Cohere's
 BODY_ROUTES = REFUSED_WHEN_FULL + ("/v1/embeddings", "/v1/messages/count_tokens", "/v1/moderations", "/tokenize",
-                                   "/detokenize", "/v1/batches")
+                                   "/detokenize", "/v1/score", "/v1/batches") + RERANK_ROUTES
 
 
 def add_routes(app, service, config):
@@ -85,6 +87,11 @@ def add_routes(app, service, config):
     app.add_route("/v1/completions", Completions(service, config.max_body))
     app.add_route("/v1/chat/completions", ChatCompletions(service, config.max_body))
     app.add_route("/v1/embeddings", Embeddings(service, config))
+    rerank = Rerank(service, config)
+    app.add_route("/v1/rerank", rerank)
+    app.add_route("/rerank", rerank)
+    app.add_route("/v2/rerank", rerank)
+    app.add_route("/v1/score", Score(service, config))
     app.add_route("/v1/messages", Messages(service, config.max_body))
     app.add_route("/v1/messages/count_tokens", CountTokens(service, config.max_body))
     # NOTE(store): one store per app, so per worker process (the app is built after the fork), or

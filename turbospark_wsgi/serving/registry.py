@@ -12,6 +12,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from .. import metrics
+from ..engine.model_json import is_classifier_dir
 from ..errors import ModelLoadError, ModelNotFound, Overloaded
 from ..pull import SOURCES
 from . import compute
@@ -30,12 +31,14 @@ class ModelInfo:
     loaded: bool
     created: int
     alias_of: str | None = None     # the installed id an alias points at
-    kind: str = "generation"        # "embedding": a sentence-transformers encoder (/v1/embeddings only)
+    kind: str = "generation"        # "embedding": a sentence-transformers encoder (/v1/embeddings only);
+                                    # "rerank": a cross-encoder (/v1/rerank, /v1/score only)
     chat_template: dict | None = None   # a loaded generator's: {"usable": bool, "reason"?: why not}
 
     @property
     def capabilities(self):
-        """The routes' kinds it serves: a decoder generates and embeds, an encoder only embeds."""
+        """The routes' kinds it serves: a decoder generates and embeds, an encoder only embeds, a
+        cross-encoder only reranks."""
         return model_capabilities(self.kind)
 
 
@@ -143,7 +146,7 @@ class Catalog:
     def _info(self, model_id, path, loaded, alias_of=None):
         return ModelInfo(id=model_id, path=path, loaded=os.path.realpath(path) in loaded,
                          created=int(_mtime(path)), alias_of=alias_of,
-                         kind="embedding" if is_embedding_model(path) else "generation")
+                         kind=model_kind(path))
 
 
 class Registry:
@@ -264,7 +267,7 @@ class Registry:
         """The engine options for the model at `key`: the config's, with the draft model's path
         (TURBOSPARK_DRAFT_MODEL) for any model but the draft itself."""
         options, draft = self._config.engine_options(), self._config.draft_model
-        if not draft or is_embedding_model(key):
+        if not draft or model_kind(key) != "generation":
             return options
         path = self.find(draft) or (draft if _is_model_path(draft) else None)
         if path is None:
@@ -311,8 +314,13 @@ class Registry:
         return self._loader
 
     def _loader_for(self, key):
-        """The encoder's loader for a sentence-transformers directory, else the decoder's."""
-        if is_embedding_model(key):
+        """The cross-encoder's loader for a reranker, the encoder's for a sentence-transformers
+        directory, else the decoder's."""
+        kind = model_kind(key)
+        if kind == "rerank":
+            from ..engine.cross_encoder import load_cross_encoder
+            return load_cross_encoder
+        if kind == "embedding":
             from ..engine.encoder import load_encoder
             return load_encoder
         return self._load_fn()
@@ -351,7 +359,16 @@ def template_status(template):
 
 
 def model_capabilities(kind):
-    return ("embedding",) if kind == "embedding" else ("generation", "embedding")
+    return {"embedding": ("embedding",), "rerank": ("rerank",)}.get(kind, ("generation", "embedding"))
+
+
+def model_kind(path):
+    """"rerank" for a cross-encoder (config.json names a ...ForSequenceClassification architecture;
+    asked first: sentence-transformers saves a CrossEncoder with a modules.json too), "embedding"
+    for a sentence-transformers directory, else "generation"."""
+    if is_classifier_dir(path):
+        return "rerank"
+    return "embedding" if is_embedding_model(path) else "generation"
 
 
 def is_embedding_model(path):

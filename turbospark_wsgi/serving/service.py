@@ -5,6 +5,7 @@
         ...
     events.close()             # idempotent: cancels, stops the engine, releases the queue slot
 """
+import contextlib
 import dataclasses
 import logging
 import os
@@ -12,7 +13,7 @@ import threading
 from dataclasses import dataclass, field
 
 from .. import metrics
-from ..engine import SamplingParams
+from ..engine import QueryTooLong, SamplingParams
 from ..errors import ApiError, InvalidRequest
 from . import compute, priority
 from .cancel import CancelToken
@@ -74,6 +75,23 @@ class EmbeddingRequest:
 class EmbeddingResult:
     vectors: list                       # one list of floats per input, in input order
     prompt_tokens: int
+    model: str
+
+
+@dataclass(slots=True)
+class ScoreRequest:
+    """One /v1/rerank or /v1/score request: (first, second) text pairs, as the schema built them."""
+
+    model: str | None = None
+    pairs: list = field(default_factory=list)   # (query, document) or (text_1, text_2) strings
+    first_param: str = "query"          # the request field of the first texts, named when one is too long
+
+
+@dataclass(slots=True)
+class ScoreResult:
+    scores: list                        # one float per pair, in pair order
+    truncated: list                     # one bool per pair: its second text's tail was cut to fit the model
+    tokens: int                         # of every pair as scored, special tokens included
     model: str
 
 
@@ -211,15 +229,7 @@ class Service:
     def embed(self, req):
         """An EmbeddingResult for an EmbeddingRequest: the inputs checked, then run through the
         model's encoder on the compute thread (ApiError on refusal)."""
-        self.check_room(background=req.background)
-        name = req.model or self.default_model
-        lease = self.registry.acquire(req.model)
-        try:
-            engine = lease.engine
-            if "embedding" not in engine.capabilities:
-                raise InvalidRequest(f"The model '{name}' is a generation model and does not embed; "
-                                     f"use an embedding model (see GET /v1/models)", param="model",
-                                     code="model_not_embedding")
+        with self._serving(req.model, "embedding", req.background) as (engine, name):
             if req.dimensions is not None and not engine.matryoshka:
                 raise InvalidRequest(f"The model '{name}' does not support 'dimensions' (it declares no "
                                      f"Matryoshka training); it embeds in {engine.dim}", param="dimensions")
@@ -235,6 +245,35 @@ class Service:
                 for chunk in _chunks(seqs, EMBED_CHUNK, engine.embed_chunk_tokens):
                     vectors.extend(compute.run(engine.embed, chunk, req.dimensions).tolist())
             return EmbeddingResult(vectors, sum(len(s) for s in seqs), name)
+
+    def score(self, req):
+        """A ScoreResult for a ScoreRequest: every pair through the model's cross-encoder on the
+        compute thread, in chunks as `embed`'s, holding a queue place (ApiError on refusal)."""
+        with self._serving(req.model, "rerank") as (engine, name):
+            try:
+                pairs, truncated = engine.encode_pairs(req.pairs)
+            except QueryTooLong as e:
+                one = len({a for a, _ in req.pairs}) == 1
+                where = req.first_param if one else f"{req.first_param}[{e.index}]"
+                raise InvalidRequest(f"'{where}' has {e.tokens} tokens; this model scores at most {e.limit} tokens "
+                                     f"per pair, special tokens included, which leaves no room for a document",
+                                     param=req.first_param, code="context_length_exceeded") from None
+            scores = []
+            with self.queue.slot():
+                for chunk in _chunks(pairs, EMBED_CHUNK, engine.score_chunk_tokens, size=lambda p: len(p[0])):
+                    scores.extend(compute.run(engine.score, chunk).tolist())
+            return ScoreResult(scores, truncated, sum(len(ids) for ids, _ in pairs), name)
+
+    @contextlib.contextmanager
+    def _serving(self, model, capability, background=False):
+        """(engine, the name it was asked by) for `model`, leased while the block runs; a 400
+        naming the model's kind when it does not serve `capability`, 503 when the queue is full
+        (never for a `background` request, a batch line)."""
+        self.check_room(background=background)
+        name = model or self.default_model
+        lease = self.registry.acquire(model)
+        try:
+            yield _serves(lease.engine, name, capability), name
         finally:
             lease.release()
 
@@ -269,23 +308,40 @@ class TokenizerInfo:
     max_context: int
 
 
-def _generating(engine, name):
-    """`engine`, when it generates; a 400 naming the model's kind when it only embeds."""
-    if "generation" not in engine.capabilities:
-        raise InvalidRequest(f"The model '{name}' is an embedding model and does not generate text; "
-                             f"use it with /v1/embeddings", param="model", code="model_not_generative")
+# what a model of each kind does not do (its error code and words), and the routes that serve it
+_REFUSALS = {"generation": ("model_not_generative", "does not generate text"),
+             "embedding": ("model_not_embedding", "does not embed"),
+             "rerank": ("model_not_reranker", "does not rerank (it is no cross-encoder)")}
+_ROUTES = {"generation": "the completion and chat routes", "embedding": "/v1/embeddings",
+           "rerank": "/v1/rerank and /v1/score"}
+
+
+def _serves(engine, name, capability):
+    """`engine`, when it serves `capability`; a 400 naming the model's kind and its routes otherwise."""
+    if capability not in engine.capabilities:
+        code, words = _REFUSALS[capability]
+        kind = engine.kind
+        routes = _ROUTES.get(kind, "its own routes")
+        raise InvalidRequest(f"The model '{name}' is {'an' if kind == 'embedding' else 'a'} {kind} model and "
+                             f"{words}; use it with {routes}, or another model (see GET /v1/models)",
+                             param="model", code=code)
     return engine
 
 
-def _chunks(seqs, most, tokens):
-    """`seqs` in order, in runs of at most `most` sequences and `tokens` tokens (at least one each)."""
-    run, size = [], 0
+def _generating(engine, name):
+    return _serves(engine, name, "generation")
+
+
+def _chunks(seqs, most, tokens, size=len):
+    """`seqs` in order, in runs of at most `most` sequences and `tokens` tokens by `size` (at least
+    one each)."""
+    run, total = [], 0
     for s in seqs:
-        if run and (len(run) == most or size + len(s) > tokens):
+        if run and (len(run) == most or total + size(s) > tokens):
             yield run
-            run, size = [], 0
+            run, total = [], 0
         run.append(s)
-        size += len(s)
+        total += size(s)
     if run:
         yield run
 

@@ -85,3 +85,14 @@ def as_api_error(exc, rid):
         return exc
     log.error("stream failed [request %s]", rid, exc_info=exc)
     return EngineError(f"The server had an error while generating (request id {rid})")
+
+
+def metered(service, req, call, request, tokens):
+    """`call(request)` within the caller's limits (admitted first, then charged `tokens(result)`
+    tokens): the routes that answer in one piece without generating (embeddings, rerank, score)."""
+    who = caller(req)
+    permit = service.limits.admit(who.digest, who.address)
+    result = permit.call(call, request)
+    permit.settle(tokens(result))
+    req.context.limits = permit
+    return result

@@ -1,6 +1,7 @@
 """POST /v1/embeddings: sentence embeddings from an embedding model (OpenAI shape)."""
 from ..middleware import caller, read_json
 from ..schemas import embeddings
+from . import metered
 
 
 class Embeddings:
@@ -11,10 +12,6 @@ class Embeddings:
 
     def on_post(self, req, resp):
         request, fmt = embeddings.parse_embeddings(read_json(req, self._max_body), self._max_inputs)
-        who = caller(req)
-        request.background = who.background
-        permit = self._service.limits.admit(who.digest, who.address)
-        result = permit.call(self._service.embed, request)
-        permit.settle(result.prompt_tokens)
-        req.context.limits = permit
+        request.background = caller(req).background     # a batch line's: below live requests
+        result = metered(self._service, req, self._service.embed, request, lambda r: r.prompt_tokens)
         resp.media = embeddings.embeddings_body(result, fmt)

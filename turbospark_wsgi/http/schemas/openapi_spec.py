@@ -162,8 +162,9 @@ _SCHEMAS = {
     "TokenCount": {"type": "object", "required": ["input_tokens"], "properties": {"input_tokens": _INT}},
     "Model": {"type": "object", "required": ["id", "object", "created", "owned_by"],
               "properties": {"id": _STR, "object": {"const": "model"}, "created": _INT, "owned_by": _STR,
-                             "loaded": _BOOL, "kind": {"enum": ["generation", "embedding"]},
-                             "capabilities": {"type": "array", "items": {"enum": ["generation", "embedding"]}},
+                             "loaded": _BOOL, "kind": {"enum": ["generation", "embedding", "rerank"]},
+                             "capabilities": {"type": "array", "items": {"enum": ["generation", "embedding",
+                                                                                  "rerank"]}},
                              "chat_template": {"type": "object", "required": ["usable"],
                                                "properties": {"usable": _BOOL, "reason": _STR}}}},
     "EmbeddingRequest": {"type": "object", "required": ["input"], "properties": {
@@ -198,6 +199,28 @@ _SCHEMAS = {
                                             "properties": {"object": {"const": "embedding"}, "index": _INT,
                                                            "embedding": {"oneOf": [
                                                                {"type": "array", "items": _NUM}, _STR]}}}}}},
+    "RerankRequest": {"type": "object", "required": ["query", "documents"], "properties": {
+        "model": _STR, "query": {"type": "string", "minLength": 1},
+        "documents": {"type": "array", "minItems": 1, "items": {"oneOf": [_STR, {
+            "type": "object", "required": ["text"], "properties": {"text": _STR}}]},
+                      "description": "at most TURBOSPARK_RERANK_MAX_DOCUMENTS (default 1000)"},
+        "top_n": {"type": "integer", "minimum": 1, "description": "the best N (default: all)"},
+        "return_documents": {"type": "boolean", "description": "echo each document's text (default true)"}}},
+    "RerankList": {"type": "object", "required": ["id", "model", "results", "usage"], "properties": {
+        "id": _STR, "model": _STR, "usage": _ref("PairUsage"),
+        "results": {"type": "array", "description": "highest relevance_score first", "items": {
+            "type": "object", "required": ["index", "relevance_score", "truncated"], "properties": {
+                "index": _INT, "relevance_score": _NUM, "document": {"type": "object", "properties": {"text": _STR}},
+                "truncated": {"type": "boolean", "description": "the document's tail was cut to fit the model"}}}}}},
+    "ScoreRequest": {"type": "object", "required": ["text_1", "text_2"], "properties": {
+        "model": _STR, "text_1": {"oneOf": [_STR, {"type": "array", "items": _STR, "minItems": 1}]},
+        "text_2": {"oneOf": [_STR, {"type": "array", "items": _STR, "minItems": 1}],
+                   "description": "one text_1 against each text_2, or as many of each, scored pairwise"}}},
+    "ScoreList": {"type": "object", "required": ["id", "object", "created", "model", "data", "usage"], "properties": {
+        "id": _STR, "object": {"const": "list"}, "created": _INT, "model": _STR, "usage": _ref("PairUsage"),
+        "data": {"type": "array", "items": {"type": "object", "required": ["index", "object", "score"], "properties": {
+            "index": _INT, "object": {"const": "score"}, "score": _NUM, "truncated": _BOOL}}}}},
+    "PairUsage": {"type": "object", "properties": {"prompt_tokens": _INT, "total_tokens": _INT}},
     "ModelList": {"type": "object", "required": ["object", "data"],
                   "properties": {"object": {"const": "list"}, "data": {"type": "array", "items": _ref("Model")}}},
     "Health": {"type": "object", "required": ["status", "model", "queue"], "properties": {
@@ -279,6 +302,11 @@ def spec(version="0"):
             "/v1/chat/completions": _post("Chat completion", "ChatCompletionRequest", "ChatCompletion"),
             "/v1/embeddings": _post("Sentence embeddings (embedding models only)", "EmbeddingRequest",
                                     "EmbeddingList", stream=False),
+            **{path: _post("Documents ranked by a cross-encoder's relevance to a query (reranking models only)",
+                           "RerankRequest", "RerankList", stream=False)
+               for path in ("/v1/rerank", "/rerank", "/v2/rerank")},
+            "/v1/score": _post("Relevance scores of text pairs from a cross-encoder (vLLM's shape)", "ScoreRequest",
+                               "ScoreList", stream=False),
             "/v1/moderations": _post("Which of the caller's input guardrail rules (TURBOSPARK_GUARDRAILS) "
                                      "a text matches", "ModerationRequest", "ModerationList", stream=False),
             "/v1/messages": _post("Anthropic Messages", "MessagesRequest", "Message", "AnthropicError"),
