@@ -151,24 +151,54 @@ def test_check_chat_uses_the_chat_template(engine, capsys):
     assert out["prompt_tokens"] == engine.apply_chat_template([{"role": "user", "content": "Hi"}])
 
 
-# ---- the README's tables stay true to the code ----------------------------------------------------
+# ---- the README's and docs/' tables stay true to the code -----------------------------------------
 
 README = (REPO / "README.md").read_text()
+REFERENCE = (REPO / "docs" / "configuration.md").read_text()
+DOCS = {path.name: path.read_text() for path in sorted((REPO / "docs").glob("*.md"))}
+README_MOST_LINES = 250
+
+
+def test_the_readme_is_a_front_door_and_links_every_doc():
+    assert len(README.splitlines()) <= README_MOST_LINES
+    for name in DOCS:
+        assert f"](docs/{name}" in README, name
+
+
+def test_the_docs_relative_links_name_files_and_sections_that_exist():
+    import re
+
+    def anchors(text):
+        return {re.sub(r"[^a-z0-9 -]", "", h.lower()).strip().replace(" ", "-")
+                for h in re.findall(r"^#+ (.*)$", text, re.M)}
+
+    for name, text in [("README.md", README)] + [(f"docs/{n}", t) for n, t in DOCS.items()]:
+        base = (REPO / name).parent
+        for target, _, section in re.findall(r"\]\(([^)#:]*)(#([^)]*))?\)", text):
+            if target.startswith("http") or not target and not section:
+                continue
+            path = (base / target).resolve() if target else REPO / name
+            assert path.exists(), f"{name}: {target}"
+            if section and path.suffix == ".md":
+                assert section in anchors(path.read_text()), f"{name}: {target}#{section}"
 
 
 def test_readme_documents_every_config_variable_and_serve_flag():
+    """Every variable and flag in the configuration reference; the README names the main ones."""
     from dataclasses import fields
 
     from turbospark_wsgi.config import Config, env_name
 
     for f in fields(Config):
         if f.name != "load_default":
-            assert f"`{env_name(f.name)}`" in README, env_name(f.name)
+            assert f"`{env_name(f.name)}`" in REFERENCE, env_name(f.name)
     serve_parser = cli.build_parser()._subparsers._group_actions[0].choices["serve"]
     for action in serve_parser._actions:
         for flag in action.option_strings:
             if flag.startswith("--") and flag != "--help":
-                assert f"`{flag}" in README, flag
+                assert f"`{flag}" in REFERENCE, flag
+    for name in ("TURBOSPARK_MODEL", "TURBOSPARK_PORT", "TURBOSPARK_API_KEYS", "TURBOSPARK_MAX_BATCH"):
+        assert f"`{name}`" in README
 
 
 def test_readme_lists_every_route():

@@ -7,7 +7,7 @@ It also counts the kernels numba compiled into the cache (none where the C kerne
     .venv/bin/python tools/cold_start.py --rounds 3
     NUMBA_CPU_NAME=znver3 .venv/bin/python tools/cold_start.py     # the AVX2 build on any x86 machine
 
-Prints one line per measurement and a summary of medians (the README's cold-start paragraph).
+Prints one line per measurement and a summary of medians (the cold-start paragraph of docs/performance.md).
 """
 import argparse
 import http.client

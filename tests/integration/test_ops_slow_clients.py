@@ -335,8 +335,9 @@ def upstream_connections(server):
 
 
 def readme_recipe(upstream_port, port):
-    """The README's nginx block, its upstream at `upstream_port`, its server listening on `port`."""
-    readme = (REPO / "README.md").read_text()
+    """The documented nginx block (docs/deployment.md), its upstream at `upstream_port`, its server
+    listening on `port`."""
+    readme = (REPO / "docs" / "deployment.md").read_text()
     block = re.search(r"## Behind nginx.*?```nginx\n(.*?)```", readme, re.S).group(1)
     block = block.replace("127.0.0.1:8000", f"127.0.0.1:{upstream_port}")
     return block.replace("server {\n", f"server {{\n    listen 127.0.0.1:{port};\n", 1)

@@ -58,7 +58,7 @@ class FrontDoor:
     the compute thread's time at once, and a flood of requests at most SHARE of it. So a burst is
     answered without a GIL hand-off to the compute thread at every socket call.
     """
-    # PERF(front-door): tools/bench_reject.py; see the README's "A full server says so at once".
+    # PERF(front-door): tools/bench_reject.py; see docs/operations.md, "A full server says so at once".
     HOLD = 0.002
     SHARE = 0.2
     SAVED = 0.05

@@ -20,5 +20,5 @@ Why CUDA C++ for CuPy's RawModule (kernels.cu), and not numba.cuda under its sim
 
 launch.py builds and launches the kernels (`device_kernels()` on a GPU, `host_kernels()` on the
 CPU), weights.py keeps a GGUF's matrices in block form, model.py runs the transformer on them.
-It has run on one GPU (an H200): the README's "GPU" section has what it measured.
+It has run on one GPU (an H200): docs/gpu.md has what it measured.
 """

@@ -12,7 +12,7 @@ wraps a model load's compile step:
 `python -m turbospark_wsgi.engine.kernels.warm [GROUP] [ISA]` is that child's entry, and compiles every
 group when run by hand (a container image can run it at build time: `turbospark warm`).
 
-PERF(cold-start): see the README's cold-start figures (launch to /health 200 with an empty cache,
+PERF(cold-start): see docs/performance.md's cold-start figures (launch to /health 200 with an empty cache,
 a warm one, and N workers).
 """
 import contextlib
