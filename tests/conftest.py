@@ -89,9 +89,9 @@ class FakeEngine:
         self.grammars.append(grammar)
         return SimpleNamespace(start=lambda: None)
 
-    def thinking_budget(self, budget, prompt_ids, open_tag="<think>", close_tag="</think>"):
-        """No constraint: the fake's reply is fixed (the real budget is tested on the engine)."""
-        return None
+    def thinking_budget(self, budget, prompt_ids, open_tag="<think>", close_tag="</think>", then=None):
+        """No constraint of its own: the fake's reply is fixed (the real budget is tested on the engine)."""
+        return then
 
     def score(self, prompt_ids, top=0, should_stop=None, client="", cache_salt="", background=False):
         if not prompt_ids or len(prompt_ids) + 1 > self.max_context:

@@ -110,11 +110,64 @@ def test_a_zero_budget_closes_an_open_tag_at_once_and_none_only_counts():
 def test_thinking_budget_counts_only_inside_the_tag():
     from turbospark_wsgi.engine.constraints import ThinkingBudget
     budget = ThinkingBudget(2, open_ids=[7], close_ids=[9], prompt_ids=[1, 7, 9], vocab_size=12)  # closed
-    for token in (5, 5, 5, 7, 5):
+    for token in (5, 5, 5, 7):
         assert budget.allowed_mask() is None
         budget.advance(token)
+    inside = budget.allowed_mask()            # inside the reopened tag: anything but opening it again
+    assert not inside[7] and inside.sum() == 11
+    budget.advance(5)
     budget.advance(5)                         # the second token inside the reopened tag
     assert budget.allowed_mask()[9] and budget.allowed_mask().sum() == 1
+    budget.advance(9)
+    after = budget.allowed_mask()             # spent: a one-token tag may not open again
+    assert not after[7] and after.sum() == 11 and budget.thought == 2
+
+
+def test_a_budget_before_a_grammar_reasons_first_then_the_grammar_governs():
+    from turbospark_wsgi.engine.constraints import ThinkingBudget, ThinkThenGrammar
+
+    class Grammar:                            # allows only tokens 3 and 4, records what it was fed
+        def __init__(self):
+            self.fed = []
+
+        def allowed_mask(self):
+            mask = np.zeros(12, dtype=bool)
+            mask[[3, 4]] = True
+            return mask
+
+        def advance(self, token):
+            assert token in (3, 4)
+            self.fed.append(token)
+
+        def valid_prefix(self, tokens):
+            return len(tokens)
+
+        def is_done(self):
+            return len(self.fed) >= 2
+
+    # the reply opens the block itself (a Qwen3-style template): open tag beside the grammar's tokens
+    grammar = Grammar()
+    both = ThinkThenGrammar(ThinkingBudget(2, [7], [9], [1], 12), grammar)
+    assert both.allowed_mask().nonzero()[0].tolist() == [3, 4, 7]
+    for token in (7, 5, 6):
+        both.advance(token)
+    assert both.allowed_mask().nonzero()[0].tolist() == [9] and both.valid_prefix([3]) == 0
+    both.advance(9)
+    assert both.allowed_mask().nonzero()[0].tolist() == [3, 4] and both.thought == 2
+    both.advance(3)
+    both.advance(4)
+    assert grammar.fed == [3, 4] and both.is_done()
+    # a reply that goes straight into the grammar feeds it its first token
+    grammar = Grammar()
+    straight = ThinkThenGrammar(ThinkingBudget(2, [7], [9], [1], 12), grammar)
+    straight.advance(4)
+    assert grammar.fed == [4] and straight.allowed_mask().nonzero()[0].tolist() == [3, 4]
+    # a template that opened the block in the prompt (DeepSeek-R1): thought first, a zero budget closes at once
+    grammar = Grammar()
+    opened = ThinkThenGrammar(ThinkingBudget(0, [7], [9], [1, 7], 12), grammar)
+    assert opened.allowed_mask().nonzero()[0].tolist() == [9]
+    opened.advance(9)
+    assert grammar.fed == [] and opened.allowed_mask().nonzero()[0].tolist() == [3, 4]
 
 
 def test_thinking_budget_on_a_real_run(engine):

@@ -118,7 +118,7 @@ def test_mid_stream_failure_is_an_anthropic_error_event(harness):
 def test_thinking_budget_reaches_the_run_as_a_constraint(harness):
     engine = set_reply(harness, "<think>hm</think>Hi.")
     seen = []
-    def thinking_budget(budget, ids):       # budget None: the serving side's counter of reasoning tokens
+    def thinking_budget(budget, ids, then=None):    # budget None: the serving side's counter of reasoning tokens
         return seen.append((budget, list(ids))) or "budget-constraint" if budget is not None else None
     engine.thinking_budget = thinking_budget
     post(harness, {"max_tokens": 200, "messages": USER, "thinking": {"type": "enabled", "budget_tokens": 64}})

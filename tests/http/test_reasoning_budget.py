@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from tests.http.test_qwen_chat import R1_OPEN, write_qwen3_gguf
+from tests.http.test_qwen_chat import QWEN3, R1_OPEN, write_qwen3_gguf
 from turbospark_wsgi.config import Config
 from turbospark_wsgi.http.app import create_app
 
@@ -114,3 +114,80 @@ def test_hostile_values_are_a_400_naming_the_field_and_the_next_request_is_serve
     assert thought(chat(app, reasoning_effort="low"))[0] == 5
     resp = app.post_json("/v1/responses", {"input": "x", "reasoning": {"effort": "ultra"}}, status=400)
     assert resp.json["error"]["param"] == "reasoning.effort"
+
+
+# ---- a Qwen3-style template (the reply opens the block) and a budget before a schema ---------------
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory):
+    """A tiny Qwen3 whose real template leaves the think block to the reply; the tag's logit is raised
+    so this random model opens it (as a trained one chooses to), and the closing tag's lowered."""
+    webtest = pytest.importorskip("webtest")
+    models = tmp_path_factory.mktemp("qwen3-models")
+    write_qwen3_gguf(models / "tiny-qwen3.gguf", template=QWEN3)
+    app = webtest.TestApp(create_app(Config(models_dir=str(models), model="tiny-qwen3", load_default=False,
+                                            device="cpu")))
+    ids = {tag: app.post_json("/tokenize", {"prompt": tag, "add_special_tokens": False}).json["tokens"]
+           for tag in ("<think>", "</think>")}
+    assert all(len(v) == 1 for v in ids.values())
+    app.bias = {str(ids["<think>"][0]): 100, str(ids["</think>"][0]): -100}
+    return app
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_qwen3_style_reply_opens_the_block_and_the_budget_closes_it(qwen3, stream):
+    body = {"messages": USER, "max_tokens": 24, "logprobs": True, "stream": stream, "thinking_token_budget": 5,
+            **dict(SAMPLED, logit_bias=qwen3.bias), "stream_options": {"include_usage": True}}
+    if not stream:
+        del body["stream_options"]
+    resp = qwen3.post_json("/v1/chat/completions", body)
+    closed_at, reasoning, content, usage = thought(resp)
+    assert closed_at == 1 + 5                           # its own open tag, then five tokens of thought
+    assert content.strip() and "<think>" not in content     # the answer, and the tag never again
+    assert usage["completion_tokens_details"]["reasoning_tokens"] == 5
+
+
+SCHEMA = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}}, "required": ["answer"],
+          "additionalProperties": False}
+FORMAT = {"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA, "strict": True}}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_with_a_budget_the_reply_reasons_first_and_then_answers_in_the_schema(app, qwen3, stream):
+    jsonschema = pytest.importorskip("jsonschema")
+    extra = {"stream_options": {"include_usage": True}} if stream else {}
+    # DeepSeek-R1-style: the template opened the block
+    closed_at, reasoning, content, usage = thought(chat(app, stream, thinking_token_budget=4,
+                                                        response_format=FORMAT, max_tokens=40, **extra))
+    assert closed_at == 4 and usage["completion_tokens_details"]["reasoning_tokens"] == 4
+    jsonschema.validate(json.loads(content), SCHEMA)
+    # Qwen3-style: the reply opens it
+    body = {"messages": USER, "max_tokens": 40, "logprobs": True, "stream": stream, "thinking_token_budget": 3,
+            "response_format": FORMAT, **dict(SAMPLED, logit_bias=qwen3.bias), **extra}
+    closed_at, reasoning, content, usage = thought(qwen3.post_json("/v1/chat/completions", body))
+    assert closed_at == 1 + 3
+    jsonschema.validate(json.loads(content), SCHEMA)
+
+
+def test_without_a_budget_the_schema_governs_the_whole_reply_as_before(qwen3):
+    jsonschema = pytest.importorskip("jsonschema")
+    body = {"messages": USER, "max_tokens": 40, "response_format": FORMAT, **dict(SAMPLED, logit_bias=qwen3.bias)}
+    reply = qwen3.post_json("/v1/chat/completions", body).json["choices"][0]["message"]
+    assert not reply.get("reasoning_content")
+    jsonschema.validate(json.loads(reply["content"]), SCHEMA)
+
+
+@pytest.mark.parametrize("budget", [0, 3, 6])
+def test_messages_thinking_is_what_chat_gets_with_the_same_budget(app, budget):
+    """Anthropic's `thinking.budget_tokens` runs the same constraint as chat's budget: the same seeded
+    request gives the same thinking block, the same text and the same token count on both routes."""
+    sampled = {k: v for k, v in SAMPLED.items() if k != "logit_bias"}      # Messages has no logit_bias
+    thinking = {"type": "enabled", "budget_tokens": budget} if budget else {"type": "disabled"}
+    msg = app.post_json("/v1/messages", {"max_tokens": 24, "messages": USER, "thinking": thinking, **sampled}).json
+    live = app.post_json("/v1/chat/completions", {"max_tokens": 24, "messages": USER, "thinking_token_budget": budget,
+                                                  **sampled}).json
+    blocks = {b["type"]: b for b in msg["content"]}
+    message = live["choices"][0]["message"]
+    assert blocks.get("thinking", {}).get("thinking", "") == (message.get("reasoning_content") or "")
+    assert blocks.get("text", {}).get("text", "") == (message["content"] or "")
+    assert msg["usage"]["output_tokens"] == live["usage"]["completion_tokens"]

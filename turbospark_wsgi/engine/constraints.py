@@ -120,10 +120,11 @@ class ThinkingBudget:
     """Ends reasoning after `budget` tokens (Anthropic's `thinking.budget_tokens`, OpenAI's
     `reasoning_effort` through TURBOSPARK_REASONING_BUDGETS): once that many tokens were generated
     inside open think tags, only the closing tag's tokens may come until it is written; then the
-    model answers. The budget is for the whole reply: a think tag opened again once it is spent is
-    closed at once. Whether the prompt already opened the tag (templates that start the reply
-    inside `<think>`) is read from the prompt's ids. `budget` None: nothing is forced, the
-    reasoning tokens are only counted (`thought`).
+    model answers. The budget is for the whole reply. Where the open tag is one token (every
+    template we know), it may not come inside an open block, nor again once the budget is spent;
+    a longer open tag opened again once the budget is spent is closed at once. Whether the prompt
+    already opened the tag (templates that start the reply inside `<think>`) is read from the
+    prompt's ids. `budget` None: nothing is forced, the reasoning tokens are only counted (`thought`).
 
     The Constraint protocol, with `allowed_mask()` None while every token is allowed."""
 
@@ -131,38 +132,99 @@ class ThinkingBudget:
         self.budget = None if budget is None else int(budget)
         self._open, self._close, self._vocab = list(open_ids), list(close_ids), vocab_size
         self._ids = list(prompt_ids)
-        self._thinking = _last(self._ids, self._open) > _last(self._ids, self._close)
+        self.thinking = _last(self._ids, self._open) > _last(self._ids, self._close)
+        self.opened = self.thinking              # a think block was open at some point of the reply
         self.thought, self._forcing = 0, None      # reasoning tokens so far; next index into close_ids when forcing
+        self._no_open = None                       # the mask without the (one-token) open tag, made on first use
         self._spent_check()
 
+    @property
+    def spent(self):
+        return self.budget is not None and self.thought >= self.budget
+
     def _spent_check(self):
-        if self._thinking and self._forcing is None and self.budget is not None and self.thought >= self.budget:
+        if self.thinking and self._forcing is None and self.spent:
             self._forcing = 0
 
     def allowed_mask(self):
-        if self._forcing is None:
-            return None
-        mask = np.zeros(self._vocab, dtype=bool)
-        mask[self._close[self._forcing]] = True
-        return mask
+        if self._forcing is not None:
+            mask = np.zeros(self._vocab, dtype=bool)
+            mask[self._close[self._forcing]] = True
+            return mask
+        if self.budget is not None and len(self._open) == 1 and (self.thinking or self.spent):
+            if self._no_open is None:
+                self._no_open = np.ones(self._vocab, dtype=bool)
+                self._no_open[self._open[0]] = False
+            return self._no_open
+        return None
 
     def advance(self, token):
         self._ids.append(int(token))
         if self._forcing is not None:
-            self._forcing += 1
-            if self._forcing == len(self._close):
-                self._forcing, self._thinking = None, False
-        elif self._thinking:
+            if token == self._close[self._forcing]:
+                self._forcing += 1
+                if self._forcing == len(self._close):
+                    self._forcing, self.thinking = None, False
+            else:                   # NOTE(within): a grammar kept the tag from closing here; it goes on
+                self._forcing = 0
+                self.thought += 1
+        elif self.thinking:
             if self._ids[-len(self._close):] == self._close:
-                self._thinking = False
+                self.thinking = False
             else:
                 self.thought += 1
         elif self._ids[-len(self._open):] == self._open:
-            self._thinking = True
+            self.thinking = self.opened = True
         self._spent_check()
 
     def is_done(self):
         return False
+
+
+class ThinkThenGrammar:
+    """A think budget before a client's grammar (response_format, a forced tool call): the reply may
+    open a think block first (a template that opens it in the prompt starts inside one), which the
+    budget governs; the grammar takes over once the block is closed, or at once when the reply
+    does not open one. So a reasoning model reasons, then answers in the schema.
+
+    NOTE(tokens): the grammar sees only the tokens after the think block; the open tag is offered
+    beside the grammar's first tokens (one-token tags)."""
+
+    def __init__(self, budget, grammar):
+        self.budget, self.grammar = budget, grammar
+        self._started = False       # the grammar has taken over
+
+    @property
+    def thought(self):
+        return self.budget.thought
+
+    def allowed_mask(self):
+        if self._started:
+            return self.grammar.allowed_mask()
+        if self.budget.thinking:
+            return self.budget.allowed_mask()
+        mask = self.grammar.allowed_mask().copy()       # the first token: the grammar's, or the open tag
+        if len(self.budget._open) == 1 and not self.budget.spent:
+            mask[self.budget._open[0]] = True
+        return mask
+
+    def advance(self, token):
+        if self._started:
+            self.grammar.advance(token)
+            return
+        was = self.budget.thinking
+        self.budget.advance(token)
+        if was and not self.budget.thinking:
+            self._started = True            # the block closed: the grammar starts with the next token
+        elif not was and not self.budget.thinking:
+            self.grammar.advance(token)     # NOTE(no-think): the reply went straight into the grammar
+            self._started = True
+
+    def valid_prefix(self, tokens):
+        return self.grammar.valid_prefix(tokens) if self._started else 0
+
+    def is_done(self):
+        return self._started and self.grammar.is_done()
 
 
 def _limits():

@@ -6,7 +6,7 @@ from pathlib import Path
 import numpy as np
 
 from .chat_template import ARCH_TEMPLATES, ChatTemplate, template_limits
-from .constraints import ConstraintCompiler, ThinkingBudget
+from .constraints import ConstraintCompiler, ThinkingBudget, ThinkThenGrammar
 from .draft import load_draft
 from .encoder import normalize
 from .events import Finish
@@ -166,11 +166,13 @@ class Engine:
         naming the problem when the spec (llguidance JSON grammar format) cannot compile."""
         return self._constraints.compile(grammar)
 
-    def thinking_budget(self, budget, prompt_ids, open_tag="<think>", close_tag="</think>"):
+    def thinking_budget(self, budget, prompt_ids, open_tag="<think>", close_tag="</think>", then=None):
         """A constraint (SamplingParams.constraint) that closes the think tag after `budget`
-        reasoning tokens of the run that continues `prompt_ids`."""
-        return ThinkingBudget(budget, self.encode(open_tag, add_bos=False), self.encode(close_tag, add_bos=False),
-                              prompt_ids, self.config.vocab_size)
+        reasoning tokens of the run that continues `prompt_ids`; `then`: a grammar's Constraint that
+        governs the reply after the think block (ThinkThenGrammar)."""
+        budget = ThinkingBudget(budget, self.encode(open_tag, add_bos=False), self.encode(close_tag, add_bos=False),
+                                prompt_ids, self.config.vocab_size)
+        return budget if then is None else ThinkThenGrammar(budget, then)
 
     def generate(self, prompt_ids, params, should_stop=None, client="", cache_salt="", background=False):
         """Events for one run (see engine/__init__). Runs that are alive at the same time share

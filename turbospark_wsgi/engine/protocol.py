@@ -59,7 +59,7 @@ class TextEngine(Protocol):
         """A compiled grammar (`.start()` -> a SamplingParams.constraint); ValueError when it cannot compile."""
 
     def thinking_budget(self, budget: int, prompt_ids: Sequence[int], open_tag: str = "<think>",
-                        close_tag: str = "</think>") -> Any:
+                        close_tag: str = "</think>", then: Any = None) -> Any:
         """A SamplingParams.constraint closing the think tag after `budget` reasoning tokens (None:
         nothing forced, the reasoning tokens only counted, in `.thought`)."""
 

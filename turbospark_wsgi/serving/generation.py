@@ -398,12 +398,12 @@ class Generation:
         return TextDelta(text, [logprob_entry(tokenizer, t, lp, top) for t, (lp, top) in zip(self._ids, scored)])
 
     def _constraint(self):
-        if self._grammar is not None:       # NOTE(thinking): a grammar governs the whole reply
-            return self._grammar.start()
+        grammar = self._grammar.start() if self._grammar is not None else None
         budget = self._req.chat.thinking_budget if self._req.chat is not None else None
-        if budget is not None:
-            return self._engine.thinking_budget(budget, self._ids)
-        return None
+        if budget is None:
+            return grammar      # NOTE(thinking): without a budget a grammar governs the whole reply
+        # NOTE(thinking): with one, the reply may reason first (within the budget), then the grammar
+        return self._engine.thinking_budget(budget, self._ids, then=grammar)
 
     def _run(self, i, last):
         """One choice's events, paced; returns False when the run was cancelled."""
