@@ -275,3 +275,42 @@ def test_a_line_refused_for_the_moment_waits_and_goes_again(make_harness, monkey
     kind, text = runner._one(line, {"sender": None}, "/v1/chat/completions", lambda: False)
     assert kind == "output" and json.loads(text)["response"]["status_code"] == 200
     assert next(answers, "spent") == "spent"
+
+
+def test_replicas_share_batches_through_redis_and_any_one_serves_its_status_and_output(make_harness, start_redis):
+    url = start_redis().url
+    replicas = []
+    for concurrency in (2, 0):              # the second replica runs no batch lines: it only answers
+        h = make_harness(api_keys=tuple(KEYS.values()), redis=url, batch_concurrency=concurrency)
+        h.engine("fake", reply="Shared.", max_context=1024)
+        replicas.append(h.client())
+    a, b = replicas
+    fid = upload(b, jsonl([chat_line(i) for i in range(3)]))["id"]
+    assert a.get(f"/v1/files/{fid}", headers=auth("alice")).json["id"] == fid
+    batch = create(b, fid)
+    # a server's runner starts at boot; this test app's starts with its first batch, and with Redis it
+    # looks for every replica's batches, so it takes b's too
+    create(a, fid)
+    done = wait_final(b, batch["id"])
+    assert done["status"] == "completed" and done["request_counts"]["completed"] == 3
+    assert content(b, done["output_file_id"]) == content(a, done["output_file_id"])
+    b.get(f"/v1/batches/{batch['id']}", headers=auth("bob"), status=404)
+
+
+def test_batch_lines_count_against_the_keys_limits(make_harness, tmp_path):
+    from turbospark_wsgi.serving.limits import Limits, MemoryStore
+
+    path = tmp_path / "limits.toml"
+    path.write_text(f'[keys.alice]\nsha256 = "{__import__("hashlib").sha256(KEYS["alice"].encode()).hexdigest()}"\n'
+                    "requests_per_minute = 5\n")
+    h = make_harness(api_keys=tuple(KEYS.values()), limits_file=str(path))
+    h.engine("fake", reply="ok", max_context=1024)
+    h.service.limits = Limits(str(path), True, MemoryStore(clock=lambda: 1_800_000_000.0))   # no refill
+    client = h.client()
+    done = wait_final(client, create(client, upload(client, jsonl([chat_line(i) for i in range(3)]))["id"])["id"])
+    assert done["request_counts"]["completed"] == 3
+    body = chat_line(9)["body"]
+    for _ in range(2):                      # 3 of the key's 5 requests went to the batch
+        client.post_json("/v1/chat/completions", body, headers=auth("alice"))
+    client.post_json("/v1/chat/completions", body, headers=auth("alice"), status=429)
+    client.post_json("/v1/chat/completions", body, headers=auth("bob"))      # another key is served
