@@ -59,6 +59,9 @@ MODEL_BYTES = Gauge("turbospark_model_memory_bytes", "Estimated bytes of the loa
                     multiprocess_mode="livesum")
 GUARDRAIL_ACTIONS = Counter("turbospark_guardrail_actions", "Guardrail rules that acted: blocks and redactions "
                             "(TURBOSPARK_GUARDRAILS), by rule id, stage and action", ["rule", "stage", "action"])
+BATCH_LINES = Counter("turbospark_batch_lines", "Batch API lines finished, by result (output | error)", ["result"])
+BATCHES = Counter("turbospark_batches", "Batches that reached a final status, by status", ["status"])
+BATCH_RETRIES = Counter("turbospark_batch_line_retries", "Batch lines refused for the moment (429 or 503) and sent again")
 FRONT_DOOR_WAIT = Counter("turbospark_front_door_wait_seconds",
                           "Time the compute thread gave way to the request loop's bursts (TURBOSPARK_FRONT_DOOR)")
 
@@ -104,6 +107,18 @@ def record_throttled(key, reason):
 def record_guardrail(rule, stage, action):
     """A guardrail rule acted: `stage` input | output, `action` block | redact (never the text)."""
     GUARDRAIL_ACTIONS.labels(rule, stage, action).inc()
+
+
+def record_batch_line(kind):
+    BATCH_LINES.labels(kind).inc()
+
+
+def record_batch_retry():
+    BATCH_RETRIES.inc()
+
+
+def record_batch(status):
+    BATCHES.labels(status).inc()
 
 
 def record_key_tokens(key, kind, tokens):

@@ -154,7 +154,16 @@ def test_a_batch_runs_every_line_as_the_same_request_sent_live(client):
     assert [b["id"] for b in client.get("/v1/batches", headers=auth("alice")).json["data"]] == [batch["id"]]
 
 
+def sample(text, name, **labels):
+    """The value of one /metrics sample (0 when absent)."""
+    for line in text.splitlines():
+        if line.startswith(name) and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
 def test_bad_lines_go_to_the_error_file_and_the_others_complete(client):
+    before = client.get("/metrics", headers=auth("alice")).text
     lines = [chat_line(0), "not json {", chat_line(1, max_tokens=-3), dict(chat_line(2), url="/v1/completions"),
              chat_line(0), dict(chat_line(3), custom_id=7), chat_line(4, stream=True), chat_line(5)]
     done = wait_final(client, create(client, upload(client, jsonl(lines))["id"])["id"])
@@ -168,6 +177,11 @@ def test_bad_lines_go_to_the_error_file_and_the_others_complete(client):
                      ("req-2", "mismatched_endpoint", None), ("req-0", "duplicate_custom_id", None),
                      (None, "missing_custom_id", None), ("req-4", "invalid_request", None)]
     assert errors[1]["response"]["body"]["error"]["param"] == "max_tokens"
+    after = client.get("/metrics", headers=auth("alice")).text
+    for name, labels, grew in (("turbospark_batch_lines_total", {"result": "output"}, 2),
+                               ("turbospark_batch_lines_total", {"result": "error"}, 6),
+                               ("turbospark_batches_total", {"status": "completed"}, 1)):
+        assert sample(after, name, **labels) - sample(before, name, **labels) == grew
 
 
 @pytest.mark.parametrize("data, code", [(b"", "empty_file"), (b"\xff\xfe\n", "invalid_file"),

@@ -26,6 +26,7 @@ import threading
 import time
 import weakref
 
+from .. import metrics
 from ..errors import StoreUnavailable
 from ..serving import priority
 from ..serving.batch_store import FINAL, KINDS
@@ -131,6 +132,7 @@ class BatchRunner:
         if fatal:
             record.update(status="failed", failed_at=now, errors={"object": "list", "data": fatal})
             self._store.save(doc)
+            metrics.record_batch("failed")
             return
         if record["status"] == "validating":
             record.update(status="in_progress", in_progress_at=now)
@@ -196,6 +198,7 @@ class BatchRunner:
             if _code(body) == DRAINING:
                 self.stop()
                 return None
+            metrics.record_batch_retry()
             wait = min(RETRY_MOST, float(headers.get("retry-after") or 1))
             end = time.monotonic() + wait
             while time.monotonic() < end:
@@ -230,6 +233,7 @@ class BatchRunner:
         final = {None: "completed", "cancelled": "cancelled", "expired": "expired"}[stop]
         record.update({"status": final, f"{final}_at": now})
         self._store.save(doc)
+        metrics.record_batch(final)
         log.info("batch %s %s: %d done, %d failed of %d", batch_id, final, counts["completed"], counts["failed"],
                  counts["total"])
 
@@ -284,6 +288,7 @@ class _Progress:
             if index in self.done:
                 return
             self._store.append(self._doc["record"]["id"], kind, index, line)
+            metrics.record_batch_line(kind)
             self.done.add(index)
             self._doc["record"]["request_counts"]["completed" if kind == "output" else "failed"] += 1
             if time.monotonic() - self._saved >= SAVE_EVERY:
