@@ -179,3 +179,14 @@ def test_no_class_outgrows_a_screenful_or_two(name, path):
     long = [(node.name, node.end_lineno - node.lineno + 1) for node in ast.walk(ast.parse(path.read_text()))
             if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > MAX_CLASS_LINES]
     assert not long, f"{name}: {long}"
+
+
+SHARED_ROOT = ("config", "errors", "logsafe", "metrics", "pull")
+
+
+@pytest.mark.parametrize("name, path", [(n, p) for n, p in ALL if n in SHARED_ROOT])
+def test_the_roots_shared_modules_lean_on_no_room_above_the_engine(name, path):
+    """What every room uses (settings, errors, metrics) imports nothing from serving/ or http/, so a
+    serving module that reads the config never climbs back up through the root to serving."""
+    inside = {i for i in imports(name, path) if i.startswith(("turbospark_wsgi.serving", "turbospark_wsgi.http"))}
+    assert not inside, f"{name} imports {sorted(inside)}"

@@ -7,9 +7,12 @@ import socket
 from dataclasses import dataclass, field, fields
 
 from .engine.options import ACTIVATIONS, DEVICES, INT8_PATHS, KERNELS, KV_CACHE, SPECULATIVE, WEIGHTS, EngineOptions
-from .serving.compute import DEFAULT_NICE
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
+# PERF(priority): the compute thread's nice increment (serving/compute.py). SmolLM2 decoding 8 streams
+# on 2 shared cores (load ~4), bursts of 184 requests refused with 503 (tools/bench_reject.py --rounds
+# 16, three runs each): p99 138-188 ms at +0, 96-134 ms at +5; +10 was no better than +5.
+DEFAULT_NICE = 5
 WORKER_CLASSES = ("gthread", "gevent")
 CACHE_ISOLATION = ("auto", "key", "shared")
 _ENGINE = EngineOptions()           # the engine's defaults

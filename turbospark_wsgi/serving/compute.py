@@ -23,6 +23,7 @@ import sys
 import threading
 import time
 
+from ..config import DEFAULT_NICE
 from ..engine import yielding
 
 OFF_HUB_THREADS = 4         # gevent only: templates rendering at once, each within its own time budget
@@ -30,10 +31,6 @@ ASIDE_THREADS = 2           # NOTE(aside): a job past its caller's limit runs on
 # NOTE(fork): held only for the few microseconds it takes to build the executor, never across a
 # cooperative switch, so a lock made before gevent patches (preload_app) cannot deadlock the hub.
 _guard = threading.Lock()
-# PERF(priority): SmolLM2 decoding 8 streams on 2 shared cores (load ~4), bursts of 184 requests
-# refused with 503 (tools/bench_reject.py --rounds 16, three runs each): p99 138-188 ms at +0,
-# 96-134 ms at +5; +10 was no better than +5.
-DEFAULT_NICE = 5
 _nice = DEFAULT_NICE            # set by configure (Config.compute_nice, TURBOSPARK_COMPUTE_NICE)
 _give_way = True                # set by configure (Config.front_door, TURBOSPARK_FRONT_DOOR)
 
