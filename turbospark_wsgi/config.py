@@ -47,7 +47,7 @@ class Config:
     MODEL_MEMORY (bytes for loaded models, 0 = no budget), MAX_PROMPT_TOKENS (0 = the context),
     MAX_PROMPTS (prompts in one /v1/completions request), MAX_EMBEDDING_INPUTS (inputs in one
     /v1/embeddings request), RERANK_MAX_DOCUMENTS (documents in one /v1/rerank request, pairs in one
-    /v1/score request),
+    /v1/score request), MAX_LORA_RANK (the largest rank a LoRA adapter may have),
     MAX_TOKENS_CAP (0 = none), MAX_GENERATION_SECONDS (0 = none), GRACEFUL_TIMEOUT (s),
     REPLICA_ID (sent back in `x-turbospark-replica`; default host:pid), HEADER_TIMEOUT (s from a
     request's first byte to the end of its headers), BODY_TIMEOUT (s to read a request body; over
@@ -106,6 +106,7 @@ class Config:
     max_prompts: int = 16
     max_embedding_inputs: int = 2048
     rerank_max_documents: int = 1000
+    max_lora_rank: int = 64         # LoRA adapters of a higher rank are refused (serving/registry.py)
     max_tokens_cap: int = 0
     max_generation_seconds: float = 0.0
     graceful_timeout: float = 600.0
@@ -148,8 +149,8 @@ class Config:
                      "single_row_threads", "compute_nice", "speculative_tokens", "batch_max_files",
                      "batch_concurrency"):
             _check_range(name, getattr(self, name), 0)
-        for name in ("max_body", "port", "prefill_chunk", "max_batch", "max_prompts",
-                     "max_embedding_inputs", "rerank_max_documents", "encoder_threads", "responses_store_item_bytes",
+        for name in ("max_body", "port", "prefill_chunk", "max_batch", "max_prompts", "max_embedding_inputs",
+                     "rerank_max_documents", "max_lora_rank", "encoder_threads", "responses_store_item_bytes",
                      "batch_file_bytes", "batch_max_lines"):
             _check_range(name, getattr(self, name), 1)
         for name in ("queue_timeout", "max_generation_seconds", "graceful_timeout", "responses_store_ttl"):

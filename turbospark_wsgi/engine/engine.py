@@ -174,23 +174,38 @@ class Engine:
                                 prompt_ids, self.config.vocab_size)
         return budget if then is None else ThinkThenGrammar(budget, then)
 
-    def generate(self, prompt_ids, params, should_stop=None, client="", cache_salt="", background=False):
+    def generate(self, prompt_ids, params, should_stop=None, client="", cache_salt="", background=False, adapter=None):
         """Events for one run (see engine/__init__). Runs that are alive at the same time share
         decode steps, the batch's rows shared fairly between `client`s; one `next()` runs at most
-        one step when no event is waiting. Only runs with the same `cache_salt` share cached
-        prompt prefixes. A `background` run (a batch line) steps only where no other run needs
-        the step (see scheduler.Scheduler._batch)."""
+        one step when no event is waiting. Only runs with the same `cache_salt` (and `adapter`)
+        share cached prompt prefixes. A `background` run (a batch line) steps only where no other
+        run needs the step (see scheduler.Scheduler._batch). `adapter`: a LoraAdapter from
+        `load_adapter` the run adds to the model, or None; runs of any adapters share steps."""
         prompt_ids = [int(t) for t in prompt_ids]
         self._check_prompt(prompt_ids)
-        return self._events(self.scheduler.add(prompt_ids, params, should_stop, client, cache_salt, background))
+        return self._events(self.scheduler.add(prompt_ids, params, should_stop, client, cache_salt, background, adapter))
 
-    def score(self, prompt_ids, top=0, should_stop=None, client="", cache_salt="", background=False):
+    def score(self, prompt_ids, top=0, should_stop=None, client="", cache_salt="", background=False, adapter=None):
         """Events that score the prompt: Prefill progress and Scores (the log-probability of every
         prompt token given the ones before it, the first None), then Finish. Like `generate`, one
         `next()` runs at most one step, shared with the other runs, and `should_stop` cancels it."""
         prompt_ids = [int(t) for t in prompt_ids]
         self._check_prompt(prompt_ids)
-        return self._events(self.scheduler.add_scoring(prompt_ids, top, should_stop, client, cache_salt, background))
+        return self._events(self.scheduler.add_scoring(prompt_ids, top, should_stop, client, cache_salt, background,
+                                                       adapter))
+
+    def load_adapter(self, directory, name, max_rank):
+        """A LoraAdapter (lora.py) for this model from the PEFT directory `directory`, named `name`;
+        ValueError (lora.AdapterError) naming the problem where it does not fit this model."""
+        from .lora import AdapterError, check_model, load_adapter
+        if self.loaded.kind != "hf":
+            raise AdapterError("LoRA adapters run on Hugging Face (safetensors) models; this model is a GGUF file")
+        check_model(self.model)
+        return load_adapter(directory, name, self.config, self.model, max_rank)
+
+    def with_adapter(self, adapter):
+        """This engine as a generation engine that runs LoRA `adapter` (AdapterEngine)."""
+        return AdapterEngine(self, adapter)
 
     def _events(self, seq):
         try:
@@ -210,6 +225,27 @@ class Engine:
         bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
         if bad:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary (0..{self.config.vocab_size - 1})")
+
+
+class AdapterEngine:
+    """A base Engine serving one LoRA adapter: its runs go to the base's scheduler with the adapter
+    (so they batch with the base's and other adapters' runs); everything else is the base's. It
+    generates and scores only: embeddings are the base model's own."""
+
+    kind = "generation"
+    capabilities = ("generation",)
+
+    def __init__(self, base, adapter):
+        self.base, self.adapter, self.name = base, adapter, adapter.name
+
+    def generate(self, prompt_ids, params, *args, **kw):
+        return self.base.generate(prompt_ids, params, *args, adapter=self.adapter, **kw)
+
+    def score(self, prompt_ids, *args, **kw):
+        return self.base.score(prompt_ids, *args, adapter=self.adapter, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self.base, name)
 
 
 def _pooling(loaded):

@@ -7,6 +7,7 @@ from .kernels import cpu as kernels_cpu, layer as kernels_layer
 from .backend import to_host
 from .exact_rows import plain_matmul, rows_matmul
 from .kv_cache import KVCache
+from .lora import RowLora
 from .options import EngineOptions, kernel_plan
 
 # PERF(prefill): a prompt of at most this many tokens runs on the fast few-row kernels instead (padded
@@ -86,12 +87,12 @@ class Transformer:
         c = self.cfg
         return KVCache(c.n_layer, max_seq or c.max_seq_len, c.n_kv_head, c.head_dim, self.xp, self.kv_dtype)
 
-    def forward(self, tokens, cache, logits="last", row_exact=False):
+    def forward(self, tokens, cache, logits="last", row_exact=False, adapter=None):
         """Runs `tokens` (ids) at positions cache.length.. and advances cache.length by len(tokens).
         Returns host float32 logits: "last" -> [vocab], "all" -> [T, vocab], "none" -> None.
         "hidden" -> [T, dim]: every position's final-normed hidden state, before the head (embeddings).
         `row_exact` runs the products on `rows_matmul`, so each position's K/V bits do not depend on
-        how the prompt was cut into calls (where `rows_exact`)."""
+        how the prompt was cut into calls (where `rows_exact`); `adapter`: a lora.LoraAdapter or None."""
         c, w, xp = self.cfg, self.w, self.xp
         ids = np.asarray(tokens, dtype=np.int64).reshape(-1)
         T, pos = len(ids), cache.length
@@ -99,11 +100,11 @@ class Transformer:
             raise ValueError(f"logits must be 'last', 'all', 'none' or 'hidden', not {logits!r}")
         if T == 0 or pos + T > cache.max_seq:
             raise ValueError(f"cannot run {T} tokens at position {pos} with a cache of {cache.max_seq}")
-        x = self._embed(ids)                                            # [T, dim]
+        x, lora = self._embed(ids), RowLora.of(self, [adapter] * T)    # [T, dim]; NOTE(lora-path): lora.py
         if self.fused:
             self._fused_layers(x, np.zeros(T, np.int64), np.arange(pos, pos + T, dtype=np.int64), [cache], [pos + T])
         else:
-            self._prompt_layers(x, pos, cache, rows_matmul if row_exact else plain_matmul)
+            self._prompt_layers(x, pos, cache, rows_matmul if row_exact else plain_matmul, lora)
         cache.length = pos + T
         if logits == "none":
             return None
@@ -113,7 +114,7 @@ class Transformer:
         out = soft_cap(to_host(rms_norm(x, w.norm, c.norm_eps, xp) @ w.head), c.final_softcap)   # [1 or T, vocab]
         return out[0] if logits == "last" else out
 
-    def _prompt_layers(self, x, pos, cache, mm):
+    def _prompt_layers(self, x, pos, cache, mm, lora=None):
         """`forward`'s layers step by step on x `[T, dim]` (in place) at positions pos.., products by `mm`."""
         H, G, T = self.cfg.n_head, self.cfg.n_kv_head, len(x)
         span = self.attention.span(pos + T)
@@ -121,12 +122,13 @@ class Transformer:
         def attend(i, qk, qkv):
             keys, vals = cache.update(i, pos, qk[:, H:], qkv[:, H + G:], span)  # [<=span, G, D] each
             return self.attention.prompt(qk[:, :H], keys, vals, pos, self._layer_window[i])   # [T, H*D]
-        self.layers.run(x, self.rotary.layers(pos + T, slice(pos, pos + T)), mm, attend)
+        self.layers.run(x, self.rotary.layers(pos + T, slice(pos, pos + T)), mm, attend, lora)
 
-    def decode_batch(self, tokens, caches):
+    def decode_batch(self, tokens, caches, adapters=None):
         """One decode step for B rows: token b runs at the next free position of caches[b], which
         advances. A cache listed n times takes n rows at consecutive positions (in list order): a
-        sequence's speculative tokens, verified in one step. Returns host float32 logits [B, vocab].
+        sequence's speculative tokens, verified in one step. Row b adds LoRA adapters[b] (None: none).
+        Returns host float32 logits [B, vocab].
 
         NOTE(exact-batching): every matmul is a stack of B single-row products and attention runs
         per row, so row b is bit-for-bit what a batch of one computes: batching never changes a
@@ -143,24 +145,25 @@ class Transformer:
             seq.append(s)
             pos.append(ends[s])
             ends[s] += 1
+        lora = RowLora.of(self, adapters or ())
         for cache, end in zip(own, ends):
             cache.reserve(end)          # before any row's K/V is written: growing keeps only `length`
         if self.fused:
             at = np.asarray(pos, np.int64)
             x = self._fused_layers(self._embed(ids), np.asarray(seq, np.int64), at, own, ends)[:, None]
         else:
-            x = self._decode_layers(ids, pos, caches)                   # [B, 1, dim]
+            x = self._decode_layers(ids, pos, caches, lora)             # [B, 1, dim]
         for cache, end in zip(own, ends):
             cache.length = end
         return soft_cap(to_host(rms_norm(x, w.norm, c.norm_eps, xp) @ w.head)[:, 0], c.final_softcap)   # [B, vocab]
 
-    def _decode_layers(self, ids, pos, caches):
+    def _decode_layers(self, ids, pos, caches, lora=None):
         """`decode_batch`'s layers step by step: token b at position pos[b] of caches[b] -> x `[B, 1, dim]`.
-        Each product is a stack of single-row products (NOTE(exact-batching))."""
+        Each product is a stack of single-row products (NOTE(exact-batching)), LoRA terms too."""
         at = self.xp.asarray(np.asarray(pos, dtype=np.int64))
         state = self._decode_state(pos, caches)
         return self.layers.run(self._embed(ids)[:, None, :], self.rotary.layers(max(pos) + 1, at), plain_matmul,
-                               lambda i, qk, qkv: self._decode_attend(i, qk, qkv, pos, caches, state))
+                               lambda i, qk, qkv: self._decode_attend(i, qk, qkv, pos, caches, state), lora)
 
     def _decode_state(self, pos, caches):
         """What a decode step's attention needs beyond the caches, made once per step (none here)."""
@@ -248,21 +251,26 @@ class DecoderLayers:
         self.gate = lambda gu, ffn_dim, gelu: (gelu_tanh_gate if gelu else swiglu)(gu, ffn_dim, xp)
         self.rope = lambda x, cos, sin, rot: rope(x, cos, sin, rot, xp)
 
-    def run(self, x, ropes, mm, attend):
+    def run(self, x, ropes, mm, attend, lora=None):
         """Every layer on x `[R, dim]` or `[R, 1, dim]` (in place), products by `mm`:
         `ropes[i]` rotates layer i's q and k heads, `attend(i, qk, qkv)` stores layer i's new K/V
-        and returns its attention `[R, H*D]` or `[R, 1, H*D]`. Returns x."""
+        and returns its attention `[R, H*D]` or `[R, 1, H*D]`; `lora` (a lora.RowLora or None) adds
+        each row's adapter terms to the products. Returns x."""
         c, xp = self.cfg, self.xp
         H, G = c.n_head, c.n_kv_head
+
+        def product(i, name, h, w):
+            y = mm(h, w, xp)
+            return y if lora is None else lora.add(i, name, h, y)
         for i, lw in enumerate(self.weights.layers):
             yielding.point()                                            # NOTE(front-door): see yielding.py
             h = self.norm(x, lw.attn_norm, c.norm_eps)
-            qkv = self._heads(mm(h, lw.wqkv, xp), lw, len(x))           # [R, H+2G, D]  q|k|v heads
+            qkv = self._heads(product(i, "wqkv", h, lw.wqkv), lw, len(x))   # [R, H+2G, D]  q|k|v heads
             qk = self.rope(qkv[:, :H + G], *ropes[i], c.rope_dim)       # [R, H+G, D]
-            x += self._post(mm(attend(i, qk, qkv), lw.wo, xp), lw.post_attn_norm)   # residual
+            x += self._post(product(i, "wo", attend(i, qk, qkv), lw.wo), lw.post_attn_norm)   # residual
             h = self.norm(x, lw.ffn_norm, c.norm_eps)
-            g = self._gate(mm(h, lw.w_gate_up, xp))                     # [R, (1,) ffn_dim]
-            x += self._post(mm(g, lw.w_down, xp), lw.post_ffn_norm)     # residual
+            g = self._gate(product(i, "w_gate_up", h, lw.w_gate_up))    # [R, (1,) ffn_dim]
+            x += self._post(product(i, "w_down", g, lw.w_down), lw.post_ffn_norm)     # residual
         return x
 
     def _heads(self, qkv, lw, rows):

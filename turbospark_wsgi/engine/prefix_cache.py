@@ -74,12 +74,13 @@ class Slot:
         if self.every_row and self.exact_len == len(self.ids) - 1:
             self.exact_len = len(self.ids)
 
-    def prefill(self, model, piece, logits, row_exact):
-        """Runs prompt tokens `piece` after the held ones, on the row-exact path if `row_exact`, and
-        extends the exact prefix where the piece keeps it exact."""
+    def prefill(self, model, piece, logits, row_exact, adapter=None):
+        """Runs prompt tokens `piece` after the held ones, on the row-exact path if `row_exact`, with
+        LoRA `adapter` (or none), and extends the exact prefix where the piece keeps it exact."""
         stays_exact = self.exact_len == len(self.ids) and (
             row_exact if self.granule == 1 else len(piece) == self.granule)
-        out = model.forward(piece, self.cache, logits=logits, row_exact=row_exact)
+        kw = {} if adapter is None else {"adapter": adapter}        # a draft or device model takes none
+        out = model.forward(piece, self.cache, logits=logits, row_exact=row_exact, **kw)
         self.ids.extend(piece)
         if stays_exact:
             self.exact_len = len(self.ids)

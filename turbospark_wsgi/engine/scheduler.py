@@ -48,6 +48,7 @@ class Sequence:
         self.ahead, self.lookup, self.acceptance = [], None, Acceptance()
         self.draft = None           # draft.Draft's (KV cache, ids) for this sequence
         self.proposed = self.accepted = 0
+        self.adapter = None         # the lora.LoraAdapter it runs, or None (the base model)
 
     @property
     def finished(self):
@@ -56,7 +57,7 @@ class Sequence:
     def prefill_chunk(self, model):
         piece, row_exact = self.slot.pieces(self.prompt, self.chunk)
         last = len(self.slot.ids) + len(piece) == len(self.prompt)
-        logits = self.slot.prefill(model, piece, "last" if last else "none", row_exact)
+        logits = self.slot.prefill(model, piece, "last" if last else "none", row_exact, self.adapter)
         self.events.append(Prefill(len(self.slot.ids), len(self.prompt)))
         if last:
             self.state = _DECODE
@@ -159,7 +160,7 @@ class Scoring(Sequence):
     def prefill_chunk(self, model):
         start = len(self.slot.ids)
         piece, row_exact = self.slot.pieces(self.prompt, self.chunk)
-        lp = log_softmax(self.slot.prefill(model, piece, "all", row_exact))             # [T, V]
+        lp = log_softmax(self.slot.prefill(model, piece, "all", row_exact, self.adapter))   # [T, V]
         nxt = self.prompt[start + 1:start + len(piece) + 1]
         self.events += [Prefill(len(self.slot.ids), len(self.prompt)),
                         Scores([(float(row[t]), top_n(row, self.top)) for row, t in zip(lp, nxt)])]
@@ -183,16 +184,20 @@ class Scheduler:
         self.steps = 0              # steps run so far
         self._clock = 0             # acquisition counter, for least-recently-used slot reuse
 
-    def add(self, prompt, params, should_stop=None, client="", salt="", background=False):
-        return self._start(Sequence, prompt, params, should_stop, client, salt, background)
+    def add(self, prompt, params, should_stop=None, client="", salt="", background=False, adapter=None):
+        return self._start(Sequence, prompt, params, should_stop, client, salt, background, adapter)
 
-    def add_scoring(self, prompt, top, should_stop=None, client="", salt="", background=False):
-        return self._start(Scoring, prompt, top, should_stop, client, salt, background)
+    def add_scoring(self, prompt, top, should_stop=None, client="", salt="", background=False, adapter=None):
+        return self._start(Scoring, prompt, top, should_stop, client, salt, background, adapter)
 
-    def _start(self, kind, prompt, options, should_stop, client, salt, background=False):
+    def _start(self, kind, prompt, options, should_stop, client, salt, background=False, adapter=None):
+        if adapter is not None:
+            # NOTE(lora-salt): K/V computed with one adapter are never another's (or the base's):
+            # the adapter's load key joins the salt, so slots are shared only within one adapter
+            salt = f"{salt}\x00lora:{adapter.key}"
         slot = self.acquire(prompt, salt, background)
         seq = kind(slot, self.tokenizer, prompt, options, should_stop, self.chunk, self.max_context)
-        seq.client, seq.background = client, background
+        seq.client, seq.background, seq.adapter = client, background, adapter
         self.active.append(seq)
         return seq
 
@@ -316,8 +321,10 @@ class Scheduler:
     def _decode(self, seqs):
         """One decode step: each sequence's pending token, then the proposals it runs (speculative)."""
         rows = [[s.pending] + p for s, p in zip(seqs, self._proposals(seqs))]
+        adapters = [s.adapter for s, r in zip(seqs, rows) for _ in r]
+        kw = {"adapters": adapters} if any(a is not None for a in adapters) else {}   # NOTE(lora-rows): lora.py
         logits = self.model.decode_batch([t for r in rows for t in r],
-                                         [s.slot.cache for s, r in zip(seqs, rows) for _ in r])   # [rows, vocab]
+                                         [s.slot.cache for s, r in zip(seqs, rows) for _ in r], **kw)   # [rows, vocab]
         at = 0
         for seq, r in zip(seqs, rows):
             _isolated(seq, self._verify, seq, r, logits[at:at + len(r)])

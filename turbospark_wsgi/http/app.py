@@ -22,6 +22,7 @@ from .resources.chat import ChatCompletions
 from .resources.completions import Completions
 from .resources.embeddings import Embeddings
 from .resources.health import Health
+from .resources.lora import LoadLoraAdapter, UnloadLoraAdapter
 from .resources.messages import CountTokens, Messages
 from .resources.metrics import Metrics
 from .resources.models import Model, Models
@@ -79,7 +80,8 @@ REFUSED_WHEN_FULL = ("/v1/completions", "/v1/chat/completions", "/v1/messages", 
 # The POST routes that read a JSON body: the worker answers their 413 from a head over the limit.
 RERANK_ROUTES = ("/v1/rerank", "/rerank", "/v2/rerank")     # vLLM's, Jina's; llama.cpp's; Cohere's
 BODY_ROUTES = REFUSED_WHEN_FULL + ("/v1/embeddings", "/v1/messages/count_tokens", "/v1/moderations", "/tokenize",
-                                   "/detokenize", "/v1/score", "/v1/batches") + RERANK_ROUTES
+                                   "/detokenize", "/v1/score", "/v1/batches", "/v1/load_lora_adapter",
+                                   "/v1/unload_lora_adapter") + RERANK_ROUTES
 
 
 def add_routes(app, service, config):
@@ -112,6 +114,8 @@ def add_routes(app, service, config):
     app.add_route("/v1/batches/{batch_id}/cancel", BatchCancel(batch_store, runner.wake))
     app.add_route("/v1/models", Models(service))
     app.add_route("/v1/models/{model_id:path}", Model(service))
+    app.add_route("/v1/load_lora_adapter", LoadLoraAdapter(service, config.max_body))
+    app.add_route("/v1/unload_lora_adapter", UnloadLoraAdapter(service, config.max_body))
     app.add_route("/health", Health(service))
     app.add_route("/tokenize", Tokenize(service, config.max_body))
     app.add_route("/detokenize", Detokenize(service, config.max_body))

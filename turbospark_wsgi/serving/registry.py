@@ -13,9 +13,10 @@ from dataclasses import dataclass
 
 from .. import metrics
 from ..engine.model_json import is_classifier_dir
-from ..errors import ModelLoadError, ModelNotFound, Overloaded
+from ..errors import InvalidRequest, ModelLoadError, ModelNotFound, Overloaded
 from ..pull import SOURCES
 from . import compute
+from .adapters import Adapters
 
 log = logging.getLogger("turbospark.registry")
 
@@ -34,12 +35,13 @@ class ModelInfo:
     kind: str = "generation"        # "embedding": a sentence-transformers encoder (/v1/embeddings only);
                                     # "rerank": a cross-encoder (/v1/rerank, /v1/score only)
     chat_template: dict | None = None   # a loaded generator's: {"usable": bool, "reason"?: why not}
+    parent: str | None = None       # a LoRA adapter's base model id (serving/adapters.py)
 
     @property
     def capabilities(self):
         """The routes' kinds it serves: a decoder generates and embeds, an encoder only embeds, a
-        cross-encoder only reranks."""
-        return model_capabilities(self.kind)
+        cross-encoder only reranks, a LoRA adapter only generates."""
+        return ("generation",) if self.parent else model_capabilities(self.kind)
 
 
 @dataclass(slots=True)
@@ -166,6 +168,7 @@ class Registry:
         self._failures = {}         # real path -> (mtime, message)
         self._locks = {}            # real path -> Lock
         self._guard = threading.Lock()
+        self.adapters = Adapters(config, self.catalog)
 
     @property
     def default_name(self):
@@ -180,7 +183,8 @@ class Registry:
             template = getattr(entry.engine, "template", None) if entry is not None else None
             if template is not None:
                 info.chat_template = template_status(template)
-        return infos
+        return infos + [ModelInfo(id=a.name, path=a.path, loaded=self.adapters.is_loaded(a), created=int(_mtime(a.path)),
+                                  parent=a.parent) for a in self.adapters.entries().values() if a.parent]
 
     def find(self, name):
         return self.catalog.find(name)
@@ -201,6 +205,9 @@ class Registry:
         """A Lease on the engine for `name` (loading it on first use); release it when done."""
         name = name or self.default_name
         path = self.find(name)
+        adapter = self.adapters.find(name) if path is None else None
+        if adapter is not None:
+            return self.acquire_adapter(adapter)
         if path is None:
             raise ModelNotFound(f"The model '{name}' does not exist or is not installed", param="model")
         key = os.path.realpath(path)
@@ -209,6 +216,19 @@ class Registry:
             if entry is not None:
                 return self._lease(key, entry)
         return self._load(name, key)
+
+    def acquire_adapter(self, adapter):
+        """A Lease on adapter's base engine, its `engine` running the adapter (adapters.py)."""
+        if adapter.parent is None:
+            raise InvalidRequest(f"The LoRA adapter '{adapter.name}' names a base model that is not installed",
+                                 param="model", code="lora_adapter_invalid")
+        lease = self.acquire(adapter.parent)
+        try:
+            lease.engine = self.adapters.engine_for(adapter, lease.engine)
+        except BaseException:
+            lease.release()
+            raise
+        return lease
 
     def _lease(self, key, entry):
         entry.users += 1                 # caller holds self._guard

@@ -16,6 +16,7 @@ from .. import metrics
 from ..engine import QueryTooLong, SamplingParams
 from ..errors import ApiError, InvalidRequest
 from . import compute, priority
+from .adapters import LoraAdmin
 from .cancel import CancelToken
 from .generation import Generation, PromptBatch
 from .guardrails import Guardrails
@@ -113,6 +114,7 @@ class Service:
                                                                         slots=config.max_batch,
                                                                         spare=config.max_paused)
         self.prompts = Prompts(config)
+        self.lora = LoraAdmin(self.registry)       # POST /v1/load_lora_adapter, /v1/unload_lora_adapter
         self._loading_pid = None
         self._load_error = None
 

@@ -27,7 +27,10 @@ def _model(info):
     """The OpenAI model object plus `loaded` (whether it is in memory now), `kind` (generation or
     embedding: what the model is), `capabilities` (the routes it serves: a generation model
     embeds too) and, for a loaded generation model, `chat_template` (whether its template passed
-    the load's probe: `usable`, and the `reason` where it did not)."""
+    the load's probe: `usable`, and the `reason` where it did not); a LoRA adapter's `parent` is
+    its base model's id (vLLM's field)."""
     extra = {"chat_template": info.chat_template} if info.chat_template is not None else {}
+    if info.parent:
+        extra["parent"] = info.parent
     return dict(openai.model_object(info), loaded=info.loaded, kind=info.kind,
                 capabilities=list(info.capabilities), **extra)

@@ -166,7 +166,14 @@ _SCHEMAS = {
                              "capabilities": {"type": "array", "items": {"enum": ["generation", "embedding",
                                                                                   "rerank"]}},
                              "chat_template": {"type": "object", "required": ["usable"],
-                                               "properties": {"usable": _BOOL, "reason": _STR}}}},
+                                               "properties": {"usable": _BOOL, "reason": _STR}},
+                             "parent": {"type": "string", "description": "a LoRA adapter's base model"}}},
+    "LoadLoraAdapterRequest": {"type": "object", "required": ["lora_name", "lora_path"], "properties": {
+        "lora_name": {"type": "string", "minLength": 1, "maxLength": 256},
+        "lora_path": {"type": "string", "minLength": 1, "maxLength": 4096,
+                      "description": "a PEFT adapter directory inside the models directory"}}},
+    "UnloadLoraAdapterRequest": {"type": "object", "required": ["lora_name"], "properties": {
+        "lora_name": {"type": "string", "minLength": 1, "maxLength": 256}}},
     "EmbeddingRequest": {"type": "object", "required": ["input"], "properties": {
         "model": _STR, "user": _STR, "dimensions": {"type": "integer", "minimum": 1,
                                                     "description": "only for models trained for it (Matryoshka)"},
@@ -271,6 +278,13 @@ def _post(summary, request, response, error="OpenAIError", stream=True):
                                   "content": _json(_ref(error))}}}}
 
 
+def _text_post(summary, request):
+    op = _post(summary, request, request, stream=False)
+    op["post"]["responses"]["200"] = {"description": "a line saying it was done (vLLM's text)",
+                                      "content": {"text/plain": {"schema": _STR}}}
+    return op
+
+
 def _get(summary, response_content, path_params=(), error="OpenAIError", extra=None, query_params=()):
     op = {"summary": summary,
           "responses": dict({"200": {"description": "OK", "content": response_content},
@@ -340,6 +354,10 @@ def spec(version="0"):
                                                                                          "content": {}})},
             "/v1/models": _get("Installed models", _json(_ref("ModelList"))),
             "/v1/models/{model_id}": _get("One installed model", _json(_ref("Model")), ("model_id",)),
+            "/v1/load_lora_adapter": _text_post("Register a LoRA adapter (vLLM's); requests select it by "
+                                                "its name as `model`", "LoadLoraAdapterRequest"),
+            "/v1/unload_lora_adapter": _text_post("Forget a LoRA adapter registered at run time (vLLM's)",
+                                                  "UnloadLoraAdapterRequest"),
             "/tokenize": _post("Token ids of a prompt or chat, as generation would see them", "TokenizeRequest",
                                "Tokens", stream=False),
             "/detokenize": _post("Text of token ids", "DetokenizeRequest", "Detokenized", stream=False),
