@@ -93,7 +93,7 @@ class FakeEngine:
         """No constraint of its own: the fake's reply is fixed (the real budget is tested on the engine)."""
         return then
 
-    def score(self, prompt_ids, top=0, should_stop=None, client="", cache_salt="", background=False):
+    def score(self, prompt_ids, top=0, should_stop=None, client="", cache_salt="", background=False, adapter=None):
         if not prompt_ids or len(prompt_ids) + 1 > self.max_context:
             raise ValueError("bad prompt length")
         lp, n = -math.log(self.config.vocab_size), len(prompt_ids)
@@ -106,7 +106,8 @@ class FakeEngine:
         yield Scores([(lp, [(t, lp) for t in range(min(top, self.config.vocab_size))])] * (n - 1))
         yield Finish("length", prompt_tokens=n)
 
-    def generate(self, prompt_ids, params, should_stop=None, client="", cache_salt="", background=False):
+    def generate(self, prompt_ids, params, should_stop=None, client="", cache_salt="", background=False,
+                 adapter=None):
         if not prompt_ids or len(prompt_ids) + 1 > self.max_context:
             raise ValueError("bad prompt length")
         self.runs.append(SimpleNamespace(ids=list(prompt_ids), params=params, client=client, cache_salt=cache_salt,

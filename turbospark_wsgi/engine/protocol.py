@@ -64,13 +64,14 @@ class TextEngine(Protocol):
         nothing forced, the reasoning tokens only counted, in `.thought`)."""
 
     def generate(self, prompt_ids: Sequence[int], params, should_stop=None, client: str = "",
-                 cache_salt: str = "", background: bool = False) -> Iterator:
+                 cache_salt: str = "", background: bool = False, adapter: Any = None) -> Iterator:
         """Prefill progress, Tokens (Paused while it waits for a row of the batch), then one Finish
         (engine.events). Only runs with the same `cache_salt` share cached prompt prefixes; a
-        `background` run takes only the rows and steps the others leave."""
+        `background` run takes only the rows and steps the others leave; `adapter`: a LoRA adapter
+        of this model for this run (None: the base)."""
 
     def score(self, prompt_ids: Sequence[int], top: int = 0, should_stop=None, client: str = "",
-              cache_salt: str = "", background: bool = False) -> Iterator:
+              cache_salt: str = "", background: bool = False, adapter: Any = None) -> Iterator:
         """Prefill progress and Scores for every prompt token (the first None), then one Finish."""
 
 

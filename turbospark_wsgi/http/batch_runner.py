@@ -131,8 +131,8 @@ class BatchRunner:
         now = int(self._clock())
         if fatal:
             record.update(status="failed", failed_at=now, errors={"object": "list", "data": fatal})
-            self._store.save(doc)
             metrics.record_batch("failed")
+            self._store.save(doc)
             return
         if record["status"] == "validating":
             record.update(status="in_progress", in_progress_at=now)
@@ -232,8 +232,8 @@ class BatchRunner:
         record["usage"] = batches.usage_of(found["output"])
         final = {None: "completed", "cancelled": "cancelled", "expired": "expired"}[stop]
         record.update({"status": final, f"{final}_at": now})
+        metrics.record_batch(final)        # NOTE(order): counted before a client can see it final
         self._store.save(doc)
-        metrics.record_batch(final)
         log.info("batch %s %s: %d done, %d failed of %d", batch_id, final, counts["completed"], counts["failed"],
                  counts["total"])
 
