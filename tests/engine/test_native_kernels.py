@@ -66,6 +66,37 @@ def test_every_path_gives_the_integer_products_exactly(libs, qtype, path):
     assert np.array_equal(y, y0)                                     # every path, any threads: the same bits
 
 
+def float32_form(p):
+    """QWeight p with float32 scales and every q4 min stored (the layout before quant.py's
+    NOTE(scales-f16))."""
+    from turbospark_wsgi.engine import quant
+    return quant.QWeight(p.kind, p.n, p.k, p.qs, p.scales.copy(), p.mins)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("qtype, scale", [("Q4_0", 1), ("Q4_0", 0.1), ("Q4_1", 1), ("Q4_1", 0.1), ("Q8_0", 1),
+                                          ("Q8_0", 0.1), ("Q5_0", 1), ("Q4_K", 1), ("Q6_K", 1)])
+def test_half_scales_and_implied_mins_give_the_float32_layouts_bits(libs, qtype, scale, path):
+    """Scales read as half floats (or float32 where a product is no half float exactly) and Q4_0's
+    mins computed as -8d in the kernel: every product bit for bit what the float32 layout gives, on
+    every path, and the reference's numbers."""
+    from turbospark_wsgi.engine import quant
+    from test_quant_kernels import GT, random_raw, row_len
+    n, k = 64, row_len(qtype, 8)
+    b = quant.decode(random_raw(qtype, n, k, np.random.default_rng(4)), GT[qtype].value, (n, k)).scaled(scale)
+    w = quant.pack(b, tile=64)
+    p, wide = w.parts[0], float32_form(w.parts[0])
+    x = extreme_rows(k, np.random.default_rng(12))
+    y, y32 = (np.empty((len(x), n), np.float32) for _ in range(2))
+    libs[path].product_i8(x, p, y, 2)
+    libs[path].product_i8(x, wide, y32, 2)
+    assert np.array_equal(y, y32)
+    close(y, kernels_q8.matmul_ref(x, w))
+    yn = np.empty_like(y)
+    kernels_q8.matmul(x, p, yn, PATHS[0])                           # numba: float32 views of the scales
+    close(yn, y)
+
+
 @pytest.mark.parametrize("path", PATHS)
 def test_q8_weights_at_minus_128_do_not_saturate(libs, path):
     w, x = minus_128_weight()

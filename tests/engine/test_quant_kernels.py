@@ -207,7 +207,32 @@ def test_row_permutation_and_power_of_two_scale(qtype):
     np.testing.assert_allclose(quant.dequantize(quant.pack(b)), expected, rtol=1e-6, atol=1e-8)
 
 
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q6_K"])
+@pytest.mark.parametrize("qtype, scale, half, kept_mins", [
+    ("Q4_0", 1, True, False), ("Q4_0", 0.125, True, False), ("Q4_0", 0.1, False, False), ("Q4_1", 1, True, True),
+    ("Q4_1", 0.1, False, True), ("Q5_0", 1, True, False), ("Q8_0", 1, True, False), ("Q4_K", 1, False, True),
+    ("Q6_K", 1, False, False)])
+def test_scales_are_half_floats_where_exact_and_q4_0_keeps_no_mins(qtype, scale, half, kept_mins):
+    """NOTE(scales-f16): the file's float16 scales stay float16 (a power-of-two scaling too); products
+    such as Q4_K's d * scale, or a scaling by 0.1, stay float32; Q4_0's mins (-8d) are not kept. The
+    float32 values a QWeight gives back are the decoded ones exactly."""
+    rng = np.random.default_rng(9)
+    n, k = 48, row_len(qtype, 8)
+    b = quant.decode(random_raw(qtype, n, k, rng), GT[qtype].value, (n, k)).scaled(scale)
+    p = quant.pack(b, tile=16).parts[0]
+    assert p.d.dtype == (np.float16 if half else np.float32)
+    assert (p.m is not None) == kept_mins and (p.m is None or p.m.dtype == p.d.dtype)
+    back = quant.untile(p)
+    np.testing.assert_array_equal(back.d, b.d)
+    assert back.d.dtype == np.float32 and (b.m is None) == (back.m is None)
+    if b.m is not None:
+        np.testing.assert_array_equal(back.m, b.m)
+    # the file's bytes per 32 weights: Q4_0 16 + 2, Q4_1 16 + 4, Q8_0 32 + 2
+    want = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "Q5_0": 34}.get(qtype) if half else None
+    if want:
+        assert (p.qs.nbytes + p.d.nbytes + (0 if p.m is None else p.m.nbytes)) * 32 == want * n * k
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q6_K", "Q4_0", "Q4_1"])
 def test_embed_rows_are_dequantized_rows(qtype):
     w, ref = make(qtype, 100, 8, tile=32)
     ids = [0, 99, 31, 32, 31, 64]

@@ -30,6 +30,7 @@ class Transformer:
         self._rows_exact = None
         self._layer_args = None     # kernels_layer.layer_args of every layer, built on first use; False: none
         self._native_layers = None  # their C views (native.Library.layer_weights), built on first use
+        self._numba_args = None     # numba's layer arguments (kernels_layer.numba_args), built on first use
 
     @property
     def fused(self):
@@ -192,18 +193,17 @@ class Transformer:
             if self._native_layers is None:
                 self._native_layers = [self.native.layer_weights(args, self.cfg.dim) for args in self._layer_args]
             return _native_layers(self.native, self._native_layers, x, seq, at, kv, elem, ropes, self._layer_window)
-        layer = kernels_layer.LAYER[self.plan.isa]
-        for i, args in enumerate(self._layer_args):
-            yielding.point()                                            # NOTE(front-door): see yielding.py
-            layer(x, seq, at, kv, elem, i, self._layer_window[i], *ropes[i], *args)
-        return x
+        if self._numba_args is None:
+            self._numba_args = [kernels_layer.numba_args(args) for args in self._layer_args]
+        return _numba_layers(kernels_layer.LAYER[self.plan.isa], self._numba_args, x, seq, at, kv, elem, ropes,
+                             self._layer_window)
 
     def warm_layers(self):
         """Compiles (or loads from numba's cache) numba's fused layer kernel: one token through the
         first layer into a scratch cache, outside any forward pass (so no yielding gate is asked)."""
         one, cache = np.zeros(1, np.int64), self.new_cache(1)
         kernels_layer.LAYER[self.plan.isa](self._embed(one), one, one, *kernels_layer.addresses([cache]), 0, self._layer_window[0],
-                            *self.rotary.layers(1)[0], *self._layer_args[0])
+                            *self.rotary.layers(1)[0], *kernels_layer.numba_args(self._layer_args[0]))
 
     def _embed(self, ids):
         w, xp = self.w, self.xp
@@ -222,6 +222,14 @@ def soft_cap(logits, cap):
     if not cap:
         return logits
     return (np.tanh(logits / np.float32(cap)) * np.float32(cap)).astype(np.float32)
+
+
+def _numba_layers(layer, layers, x, seq, at, kv, elem, ropes, windows):
+    """Transformer._fused_layers on numba's kernel: `layers` each layer's arguments (numba_args)."""
+    for i, args in enumerate(layers):
+        yielding.point()                                                # NOTE(front-door): see yielding.py
+        layer(x, seq, at, kv, elem, i, windows[i], *ropes[i], *args)
+    return x
 
 
 def _native_layers(lib, layers, x, seq, at, kv, elem, ropes, windows):

@@ -284,9 +284,9 @@ def _gemv(x, p, y, integer=False, isa=None, lib=None):
     # For q8, B <= 2 re-unpacks per row (fastest for decode); the two agree bit for bit.
     elif p.kind == "q4":
         xsum = x.reshape(x.shape[0], -1, 32).sum(axis=-1)          # [B, K/32] for the mins
-        _q4_batch(x, xsum, p.qs, p.d, p.m, buf)
+        _q4_batch(x, xsum, p.qs, *quant.float_scales(p), buf)
     else:
-        (_q8_batch if x.shape[0] > 2 else _q8_gemv)(x, p.qs, p.d, buf)
+        (_q8_batch if x.shape[0] > 2 else _q8_gemv)(x, p.qs, quant.float_scales(p)[0], buf)
     if not direct:
         y[...] = buf[:, :p.n]
 
@@ -301,9 +301,9 @@ def _blas(x, p, y, lib=None):
         if lib is not None:
             lib.dequant_t(p, t0, wt, thread_count())
         elif p.kind == "q4":
-            _q4_dequant_t(p.qs, p.d, p.m, t0, wt)
+            _q4_dequant_t(p.qs, *quant.float_scales(p), t0, wt)
         else:
-            _q8_dequant_t(p.qs, p.d, t0, wt)
+            _q8_dequant_t(p.qs, quant.float_scales(p)[0], t0, wt)
         n0 = t0 * R
         n1 = min(p.n, n0 + cols)
         y[:, n0:n1] = x @ wt[:, :n1 - n0]

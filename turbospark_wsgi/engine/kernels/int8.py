@@ -222,7 +222,8 @@ def matmul(x, p, y, path=None, lib=None):
     if lib is not None:
         lib.product_i8(x, p, y, threads.count())
         return
-    PRODUCT[path or DEFAULT.path](x, prepare(p), p.d, NO_MINS if p.m is None else p.m, y)
+    d, m = quant.float_scales(p)                  # numba reads float32 scales (NOTE(scales-f16))
+    PRODUCT[path or DEFAULT.path](x, prepare(p), d, NO_MINS if m is None else m, y)
 
 
 NO_MINS = np.zeros((0, 0, 0), np.float32)

@@ -23,6 +23,7 @@ and large enough by the caller for the call's length).
 """
 import numpy as np
 
+from .. import quant
 from . import attention, int8, isa
 
 try:
@@ -154,13 +155,14 @@ if AVAILABLE:
         return layer_on
 
     # the layer kernel per instruction path (isa.PATHS): LAYER[path](x, seq, pos, kv, elem, li, window, cos,
-    # sin, *layer_args(cfg, lw))
+    # sin, *numba_args(layer_args(cfg, lw)))
     LAYER = {path: _layer_on(isa.IDS[path]) for path in isa.PATHS}
 
 
 def layer_args(cfg, lw):
-    """The per-layer arguments of `layer` after `sin` for LayerWeights `lw`, or None where a
-    product is not one part on the int8 kernels."""
+    """The per-layer arguments for LayerWeights `lw`: `layer`'s after `sin` up to the weights, then
+    the four products' QWeights (wqkv, wo, w_gate_up, w_down; `numba_args` turns them into
+    `layer`'s), or None where a product is not one part on the int8 kernels."""
     parts = [getattr(getattr(lw, n), "_int8_part", None) for n in ("wqkv", "wo", "w_gate_up", "w_down")]
     if not AVAILABLE or None in parts:
         return None
@@ -172,8 +174,16 @@ def layer_args(cfg, lw):
     bias = lw.bqkv if lw.bqkv is not None else np.zeros(0, f32)
     return (f32(cfg.norm_eps), bool(cfg.gelu_gate), cfg.n_head, cfg.n_kv_head, cfg.head_dim,
             np.ascontiguousarray(np.stack(norms), f32), np.ascontiguousarray(bias, f32), np.ascontiguousarray(qk, f32),
-            tuple(int8.prepare(p) for p in parts), tuple(p.d for p in parts),
-            tuple(int8.NO_MINS if p.m is None else p.m for p in parts))
+            tuple(parts))
+
+
+def numba_args(args):
+    """`layer`'s arguments after `sin` from layer_args's tuple: the weights as int8.product takes
+    them (float32 scales: quant.float_scales, kept on each weight once built)."""
+    *head, parts = args
+    scales = [quant.float_scales(p) for p in parts]
+    return (*head, tuple(int8.prepare(p) for p in parts), tuple(d for d, _ in scales),
+            tuple(int8.NO_MINS if m is None else m for _, m in scales))
 
 
 def addresses(caches):

@@ -32,7 +32,7 @@
 #ifndef TS_PATH
 #define TS_PATH 4
 #endif
-#define TS_ABI 1
+#define TS_ABI 2
 
 #define ROWS 8           /* attention: rows of one sequence in a block */
 #define CHUNK 256        /* attention: keys in a chunk (fixed by absolute position) */
@@ -210,12 +210,15 @@ static inline int threads_for(int nthreads, i64 work) {
 /* ---- int8 activations (int8.py) ------------------------------------------------------------ */
 
 /* A quantized weight as the int8 kernels read it (int8.prepare): qv u8 [T, nu, R/16, quads, 16, 4],
- * d and m (q4 mins, or NULL for q8) f32 [T, nu, R]; K inputs, T*R outputs. */
+ * d and m (q4 mins, or NULL) [T, nu, R], half floats where `half`, else f32; `mins` 0: q8 (none),
+ * 1: q4 with m, 2: q4 with m = -8d (Q4_0, no m kept: quant.py, NOTE(scales-f16)); K inputs, T*R
+ * outputs. */
 typedef struct {
     const uint8_t *qv;
-    const float *d;
-    const float *m;
+    const void *d;
+    const void *m;
     i64 T, nu, R, K;
+    i64 half, mins;
 } ts_weight;
 
 /* x [B, K] -> q [B, K] int8, d [B, K/32] (max|x| / 127 per block), xs [B, K/32] (d * sum(q)),
@@ -281,10 +284,17 @@ ALWAYS vi unit_dot(const uint8_t *w, const int8_t *a, int quads, int nib, int32_
 ALWAYS void vi_store(int32_t *out, vi v) { _mm512_storeu_si512((void *)out, v); }
 ALWAYS vf vf_zero(void) { return _mm512_setzero_ps(); }
 ALWAYS void vf_store(float *p, vf v) { _mm512_storeu_ps(p, v); }
-/* acc + (d * s) * dots (+ m * x where m) */
-ALWAYS vf vf_update(vf acc, const float *d, float s, vi dots, const float *m, float x) {
-    acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(d), _mm512_set1_ps(s)), _mm512_cvtepi32_ps(dots)));
-    return m ? _mm512_add_ps(acc, _mm512_mul_ps(_mm512_loadu_ps(m), _mm512_set1_ps(x))) : acc;
+/* 16 scales from p: half floats (converted exactly) or f32 */
+ALWAYS vf vf_scales(const void *p, int half) {
+    return half ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)) : _mm512_loadu_ps((const float *)p);
+}
+/* acc + (d * s) * dots, then + m * x for q4 (mins 1: m loaded; 2: m = -8d, exact in f32) */
+ALWAYS vf vf_update(vf acc, const void *d, float s, vi dots, const void *m, float x, int half, int mins) {
+    const vf dv = vf_scales(d, half);
+    acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_mul_ps(dv, _mm512_set1_ps(s)), _mm512_cvtepi32_ps(dots)));
+    if (!mins) return acc;
+    const vf mv = mins == 2 ? _mm512_mul_ps(dv, _mm512_set1_ps(-8.0f)) : vf_scales(m, half);
+    return _mm512_add_ps(acc, _mm512_mul_ps(mv, _mm512_set1_ps(x)));
 }
 #elif TS_PATH == 1 || TS_PATH == 2
 typedef struct { __m256i h[2]; } vi;
@@ -352,12 +362,20 @@ ALWAYS void vf_store(float *p, vf v) {
     _mm256_storeu_ps(p, v.h[0]);
     _mm256_storeu_ps(p + 8, v.h[1]);
 }
-ALWAYS vf vf_update(vf acc, const float *d, float s, vi dots, const float *m, float x) {
+/* 8 scales from p + 8h: half floats (F16C, exact) or f32 */
+ALWAYS __m256 scales8(const void *p, int h, int half) {
+    return half ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + 8 * h)))
+                : _mm256_loadu_ps((const float *)p + 8 * h);
+}
+ALWAYS vf vf_update(vf acc, const void *d, float s, vi dots, const void *m, float x, int half, int mins) {
     const __m256 S = _mm256_set1_ps(s), X = _mm256_set1_ps(x);
     for (int h = 0; h < 2; h++) {
-        acc.h[h] = _mm256_add_ps(acc.h[h], _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(d + 8 * h), S),
-                                                         _mm256_cvtepi32_ps(dots.h[h])));
-        if (m) acc.h[h] = _mm256_add_ps(acc.h[h], _mm256_mul_ps(_mm256_loadu_ps(m + 8 * h), X));
+        const __m256 dv = scales8(d, h, half);
+        acc.h[h] = _mm256_add_ps(acc.h[h], _mm256_mul_ps(_mm256_mul_ps(dv, S), _mm256_cvtepi32_ps(dots.h[h])));
+        if (mins) {
+            const __m256 mv = mins == 2 ? _mm256_mul_ps(dv, _mm256_set1_ps(-8.0f)) : scales8(m, h, half);
+            acc.h[h] = _mm256_add_ps(acc.h[h], _mm256_mul_ps(mv, X));
+        }
     }
     return acc;
 }
@@ -407,10 +425,15 @@ ALWAYS vi unit_dot(const uint8_t *w, const int8_t *a, int quads, int nib, int32_
 ALWAYS void vi_store(int32_t *out, vi v) { memcpy(out, v.v, sizeof(v.v)); }
 ALWAYS vf vf_zero(void) { vf z; for (int l = 0; l < LANES; l++) z.v[l] = 0.0f; return z; }
 ALWAYS void vf_store(float *p, vf v) { memcpy(p, v.v, sizeof(v.v)); }
-ALWAYS vf vf_update(vf acc, const float *d, float s, vi dots, const float *m, float x) {
-    for (int l = 0; l < LANES; l++) acc.v[l] += (d[l] * s) * (float)dots.v[l];
-    if (m)
-        for (int l = 0; l < LANES; l++) acc.v[l] += m[l] * x;
+/* scale l of p: a half float (converted exactly) or f32 */
+ALWAYS float scale_at(const void *p, int l, int half) {
+    return half ? h2f(((const uint16_t *)p)[l]) : ((const float *)p)[l];
+}
+ALWAYS vf vf_update(vf acc, const void *d, float s, vi dots, const void *m, float x, int half, int mins) {
+    for (int l = 0; l < LANES; l++) acc.v[l] += (scale_at(d, l, half) * s) * (float)dots.v[l];
+    if (mins)
+        for (int l = 0; l < LANES; l++)
+            acc.v[l] += (mins == 2 ? scale_at(d, l, half) * -8.0f : scale_at(m, l, half)) * x;
     return acc;
 }
 #endif
@@ -424,31 +447,34 @@ static inline int32_t unit_qsum(const int32_t *qsum_row, i64 k0, i64 per) {
 /* The int8 product of rows i of tile t for NC chunks of 16 output rows at once (NC = R/16), every
  * chunk's 16 sums kept in registers across the units: per unit u and output row,
  * acc += (d_u * d_a) * dot, then for q4 acc += m_u * xs (the min term on the rounded activations:
- * int8.py, NOTE(accuracy)); units in order, so the bits do not depend on NC or the path. */
-#define TILE_ROWS(NC, QUADS, NIB)                                                                                 \
-    static void tile_##NC##_##QUADS##_##NIB(const ts_weight *w, i64 t, const int8_t *q, const float *da,         \
+ * int8.py, NOTE(accuracy)); units in order, so the bits do not depend on NC or the path. MINS as
+ * ts_weight's; HALF: the scales are half floats (SZ bytes each). */
+#define TILE_ROWS(NC, QUADS, MINS, HALF)                                                                          \
+    static void tile_##NC##_##QUADS##_##MINS##_##HALF(const ts_weight *w, i64 t, const int8_t *q, const float *da, \
                                             const float *xs, const int32_t *qsum, i64 B, float *y, i64 ldy, i64 c0) { \
-        const i64 nu = w->nu, R = w->R, K = w->K, per = K / nu, step = R * (NIB ? 16 : per);                      \
-        const i64 chunk = NIB ? 256 : 16 * per;                                                                   \
+        const i64 nu = w->nu, R = w->R, K = w->K, per = K / nu, step = R * (MINS ? 16 : per), SZ = HALF ? 2 : 4;  \
+        const i64 chunk = MINS ? 256 : 16 * per;                                                                  \
+        const char *d = (const char *)w->d, *m = (const char *)w->m;                                              \
         for (i64 i = 0; i < B; i++) {                                                                             \
             vf acc[NC];                                                                                           \
             _Pragma("GCC unroll 8") for (int c = 0; c < NC; c++) acc[c] = vf_zero();                              \
             for (i64 u = 0; u < nu; u++) {                                                                        \
                 const i64 k0 = u * per;                                                                           \
                 const uint8_t *base = w->qv + (t * nu + u) * step;                                                \
-                const float *du = w->d + (t * nu + u) * R;                                                        \
-                const float *mu = NIB ? w->m + (t * nu + u) * R : NULL;                                           \
+                const char *du = d + (t * nu + u) * R * SZ;                                                       \
+                const char *mu = MINS == 1 ? m + (t * nu + u) * R * SZ : NULL;                                    \
                 const int8_t *a = q + i * K + k0;                                                                 \
                 const int32_t qs = unit_qsum(qsum + i * (K / 16), k0, per);                                      \
-                const float s = da[i * (K / 32) + k0 / 32], x = NIB ? xs[i * (K / 32) + u] : 0.0f;                 \
+                const float s = da[i * (K / 32) + k0 / 32], x = MINS ? xs[i * (K / 32) + u] : 0.0f;               \
                 _Pragma("GCC unroll 8") for (int c = 0; c < NC; c++)                                              \
-                    acc[c] = vf_update(acc[c], du + 16 * (c0 + c), s, unit_dot(base + (c0 + c) * chunk, a, QUADS,   \
-                                       NIB, qs), NIB ? mu + 16 * (c0 + c) : NULL, x);                              \
+                    acc[c] = vf_update(acc[c], du + 16 * (c0 + c) * SZ, s, unit_dot(base + (c0 + c) * chunk, a, QUADS, \
+                                       MINS != 0, qs), MINS == 1 ? mu + 16 * (c0 + c) * SZ : NULL, x, HALF, MINS);  \
             }                                                                                                     \
             _Pragma("GCC unroll 8") for (int c = 0; c < NC; c++) vf_store(y + i * ldy + t * R + 16 * (c0 + c), acc[c]); \
         }                                                                                                         \
     }
-#define TILE_ALL(NC) TILE_ROWS(NC, 4, 1) TILE_ROWS(NC, 4, 0) TILE_ROWS(NC, 8, 0)
+#define TILE_HALVES(NC, QUADS, MINS) TILE_ROWS(NC, QUADS, MINS, 0) TILE_ROWS(NC, QUADS, MINS, 1)
+#define TILE_ALL(NC) TILE_HALVES(NC, 4, 1) TILE_HALVES(NC, 4, 2) TILE_HALVES(NC, 4, 0) TILE_HALVES(NC, 8, 0)
 TILE_ALL(1)
 TILE_ALL(2)
 TILE_ALL(4)
@@ -457,11 +483,18 @@ TILE_ALL(8)
 typedef void (*tile_fn)(const ts_weight *, i64, const int8_t *, const float *, const float *, const int32_t *, i64,
                         float *, i64, i64);
 
-static tile_fn tile_for(i64 nc, int quads, int nib) {
+static tile_fn tile_for(i64 nc, int quads, int mins, int half) {
+#define PICK_HALF(NC, QUADS, MINS) return half ? tile_##NC##_##QUADS##_##MINS##_1 : tile_##NC##_##QUADS##_##MINS##_0;
 #define PICK(NC)                                                                                                   \
-    if (nc == NC) return nib ? tile_##NC##_4_1 : quads == 4 ? tile_##NC##_4_0 : tile_##NC##_8_0;
+    if (nc == NC) {                                                                                                \
+        if (mins == 1) PICK_HALF(NC, 4, 1)                                                                         \
+        if (mins == 2) PICK_HALF(NC, 4, 2)                                                                         \
+        if (quads == 4) PICK_HALF(NC, 4, 0)                                                                        \
+        PICK_HALF(NC, 8, 0)                                                                                        \
+    }
     PICK(1) PICK(2) PICK(4) PICK(8)
 #undef PICK
+#undef PICK_HALF
     return NULL;
 }
 
@@ -470,20 +503,20 @@ static tile_fn tile_for(i64 nc, int quads, int nib) {
 static void matmul_i8(const ts_weight *w, const int8_t *q, const float *da, const float *xs, const int32_t *qsum,
                       i64 B, float *y, i64 ldy, int nthreads) {
     const i64 T = w->T, R = w->R, per = w->K / w->nu;
-    const int nib = w->m != NULL, quads = nib ? 4 : (int)(per / 4);
+    const int mins = (int)w->mins, half = w->half != 0, quads = mins ? 4 : (int)(per / 4);
     int nt = threads_for(nthreads, T);
 #pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
     for (i64 t = 0; t < T; t++)
         for (i64 c0 = 0, nc; c0 < R / 16; c0 += nc) {      /* chunks 8, 4, 2 or 1 at a time */
             nc = R / 16 - c0 >= 8 ? 8 : R / 16 - c0 >= 4 ? 4 : R / 16 - c0 >= 2 ? 2 : 1;
-            tile_for(nc, quads, nib)(w, t, q, da, xs, qsum, B, y, ldy, c0);
+            tile_for(nc, quads, mins, half)(w, t, q, da, xs, qsum, B, y, ldy, c0);
         }
 }
 
 /* the integer dots alone, for tests: dots [B, T, nu, R] int32 (the plain signed sums) */
 void ts_unit_dots(const ts_weight *w, const int8_t *q, const int32_t *qsum, i64 B, int32_t *out) {
     const i64 T = w->T, nu = w->nu, R = w->R, K = w->K, per = K / nu;
-    const int nib = w->m != NULL, quads = nib ? 4 : (int)(per / 4);
+    const int nib = w->mins != 0, quads = nib ? 4 : (int)(per / 4);
     const i64 step = R * (nib ? 16 : per), chunk = nib ? 256 : 16 * per;
     for (i64 i = 0; i < B; i++)
         for (i64 t = 0; t < T; t++)

@@ -26,7 +26,7 @@ from . import isa
 from .children import spawn, wait
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "native.c")
-ABI = 1
+ABI = 2
 _BASE = ("-O3", "-std=gnu11", "-fPIC", "-shared", "-fopenmp", "-ffp-contract=off", "-fno-math-errno")
 # what each path compiles with (x86: F16C converts the half-float KV caches; every AVX2 CPU has it)
 FLAGS = {
@@ -150,7 +150,8 @@ _p, _i64 = ctypes.c_void_p, ctypes.c_int64
 
 
 class Weight(ctypes.Structure):
-    _fields_ = [("qv", _p), ("d", _p), ("m", _p), ("T", _i64), ("nu", _i64), ("R", _i64), ("K", _i64)]
+    _fields_ = [("qv", _p), ("d", _p), ("m", _p), ("T", _i64), ("nu", _i64), ("R", _i64), ("K", _i64),
+                ("half", _i64), ("mins", _i64)]
 
 
 class FloatWeight(ctypes.Structure):
@@ -218,17 +219,17 @@ class Library:
         from . import int8
         held = p.cw.get("i8") if p.cw else None
         if held is None:
-            held = self.weight_from(int8.prepare(p), p.d, int8.NO_MINS if p.m is None else p.m)
+            held = self.weight_from(int8.prepare(p), p)
             p.cw = {**(p.cw or {}), "i8": held}
         return held
 
     def float_weight(self, p):
-        """The float kernels' C view of QWeight p (its tiled blocks)."""
+        """The float kernels' C view of QWeight p (its tiled blocks, float32 scales)."""
+        from .. import quant
         held = p.cw.get("f32") if p.cw else None
         if held is None:
             qs = np.ascontiguousarray(p.qs)
-            d = _c(p.d, np.float32)
-            m = None if p.m is None else _c(p.m, np.float32)
+            d, m = quant.float_scales(p)
             s = FloatWeight(_addr(qs), _addr(d), None if m is None else _addr(m), qs.shape[0], qs.shape[1],
                             d.shape[1], p.tile, p.k)
             held = _Held(s, (qs, d, m))
@@ -288,22 +289,25 @@ class Library:
                                  window, H, G, D, _addr(out), threads)
 
     def layer_weights(self, args, dim):
-        """The C view of one layer from layer.layer_args's tuple (after `sin`)."""
-        eps, gelu, H, G, D, norms, bqkv, qk, qvs, ds, ms = args
-        parts = [self.weight_from(qv, d, m) for qv, d, m in zip(qvs, ds, ms)]
-        ffn = ds[2].shape[0] * ds[2].shape[2] // 2
+        """The C view of one layer from layer.layer_args's tuple."""
+        eps, gelu, H, G, D, norms, bqkv, qk, weights = args
+        parts = [self.weight(p) for p in weights]
+        ffn = weights[2].n // 2
         s = LayerWeights(_addr(norms), norms.shape[0], _addr(bqkv) if bqkv.shape[0] else None,
                          _addr(qk) if qk.shape[0] else None, float(eps), int(gelu), H, G, D, dim, ffn,
                          (Weight * 4)(*[h.struct for h in parts]))
         return _Held(s, (norms, bqkv, qk, parts))
 
-    def weight_from(self, qv, d, m):
-        """A Weight over int8.prepare's arrays (qv, d, m: int8.NO_MINS, empty, for q8 units)."""
-        d, m = _c(d, np.float32), _c(m, np.float32)
+    def weight_from(self, qv, p):
+        """A Weight over int8.prepare's arrays `qv` and QWeight p's scales and mins as it keeps them
+        (float16 or float32; no mins for q8, none kept for Q4_0's -8d: quant, NOTE(scales-f16))."""
+        d = np.ascontiguousarray(p.d)
+        m = None if p.m is None else np.ascontiguousarray(p.m)
         T, nu, R = d.shape
-        per = 32 if m.shape[0] else qv.shape[3] * 4      # q4 blocks of 32, q8 units of 4 bytes a quad
-        K = nu * per
-        s = Weight(_addr(qv), _addr(d), _addr(m) if m.shape[0] else None, T, nu, R, K)
+        mins = 0 if p.kind == "q8" else 2 if m is None else 1
+        per = 32 if mins else qv.shape[3] * 4      # q4 blocks of 32, q8 units of 4 bytes a quad
+        s = Weight(_addr(qv), _addr(d), None if m is None else _addr(m), T, nu, R, nu * per,
+                   int(d.dtype == np.float16), mins)
         return _Held(s, (qv, d, m))
 
     def layer(self, weights, x, seq, pos, kv, half, li, window, cos, sin, threads):
