@@ -61,20 +61,44 @@ class Blocks:
 
 @dataclass(slots=True)
 class QWeight:
-    """Tiled blocks of an [n, k] weight; `tile` output rows per SIMD-lane group (n padded up)."""
+    """Tiled blocks of an [n, k] weight; `tile` output rows per SIMD-lane group (n padded up).
+
+    NOTE(one-layout): the int8 kernels read `qv` (kernels/int8.py prepare), the float kernels and
+    the references `qs`; a weight holds one of the two once `drop_tiled` ran (what the int8 loader
+    keeps: the packed weights file maps `qv` alone, engine/packed.py), and `qs` is rebuilt from `qv`
+    (and kept) only when a float path asks for it."""
 
     kind: str
     n: int
     k: int
-    qs: np.ndarray   # q4: uint8 [T, k/32, 16, tile]; q8: int8 [T, k/16, 16, tile]
+    tiled: object    # qs, or None where only qv is held (read it as `qs`)
     d: np.ndarray    # float16 or float32 [T, nd, tile] (NOTE(scales-f16))
     m: object        # q4 mins of d's type [T, k/32, tile], or None (q8; q4: m = -8d)
-    qv: object = None   # the int8-activation kernels' layout, built on first use (kernels_q8.prepare)
+    qv: object = None   # the int8-activation kernels' layout, built on first use (kernels/int8.py prepare)
     cw: object = None   # the kernels' views of it (kernels/native.py, float_scales), built on first use
 
     @property
+    def qs(self):
+        """q4: uint8 [T, k/32, 16, tile]; q8: int8 [T, k/16, 16, tile] (rebuilt from qv where dropped)."""
+        if self.tiled is None:
+            from .kernels import int8
+            self.tiled = int8.unprepare(self)
+        return self.tiled
+
+    def drop_tiled(self):
+        """Keeps only the int8 layout (qv must be built): the float paths rebuild qs on demand."""
+        if self.qv is None:
+            raise ValueError("drop_tiled needs the int8 layout (kernels/int8.py prepare) first")
+        self.tiled = None
+
+    @property
     def tile(self):
-        return self.qs.shape[-1]
+        return self.d.shape[-1]
+
+    @property
+    def tiles(self):
+        """T, the number of row tiles (n padded up to a whole tile)."""
+        return self.d.shape[0]
 
     @property
     def scales(self):
@@ -90,8 +114,8 @@ class QWeight:
 
     @property
     def nbytes(self):
-        extra = [a.nbytes for a in (self.m, self.qv) if a is not None]
-        return self.qs.nbytes + self.d.nbytes + sum(extra)
+        extra = [a.nbytes for a in (self.tiled, self.m, self.qv) if a is not None]
+        return self.d.nbytes + sum(extra)
 
 
 @dataclass(slots=True)
@@ -305,6 +329,15 @@ def matmul_ref(x, w):
     return np.asarray(x, dtype=np.float32) @ dequantize(w).T
 
 
+def _block_rows(p, t, r):
+    """The blocks of rows (tile t, lane r) of QWeight p as Blocks.q holds them, read from whichever
+    layout p keeps (a token lookup must not rebuild qs from qv: NOTE(one-layout))."""
+    if p.tiled is not None:
+        return p.tiled[t, ..., r]
+    from .kernels import int8
+    return int8.block_rows(p, t, r)
+
+
 def embed_rows(w, ids):
     """Rows `ids` of a QMatrix (e.g. a tied token embedding) as float32 [len(ids), k]."""
     ids = np.asarray(ids, dtype=np.int64).reshape(-1)
@@ -317,6 +350,6 @@ def embed_rows(w, ids):
             t, r = local // p.tile, local % p.tile
             d = p.d[t, ..., r].astype(np.float32)
             m = None if p.kind == "q8" else d * np.float32(-8) if p.m is None else p.m[t, ..., r].astype(np.float32)
-            out[sel] = dequantize_blocks(Blocks(p.kind, p.qs[t, ..., r], d, m))
+            out[sel] = dequantize_blocks(Blocks(p.kind, _block_rows(p, t, r), d, m))
         start += p.n
     return out

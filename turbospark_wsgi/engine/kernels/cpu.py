@@ -185,14 +185,16 @@ class QLinear:
         self.lib = plan.native if plan else None        # the C kernels (native.py), or None: numba's
         self.shape = (w.k, w.n)   # the float32 matrix it replaces is (in, out)
         if self.activations == "int8" and int8.AVAILABLE:
-            # the int8 kernels' layout, built at load rather than by a first request (~1 s for SmolLM2)
+            # the int8 kernels' layout, built at load rather than by a first request (~1 s for SmolLM2),
+            # and the only one kept (quant, NOTE(one-layout))
             for p in w.parts:
                 if int8.fits(p):
                     int8.prepare(p)
+                    p.drop_tiled()
         p = w.parts[0]
         # the part int8 products go to straight (one part, no padding rows), fixed for the weight
         self._int8_part = p if int8.AVAILABLE and len(w.parts) == 1 and \
-            p.qs.shape[0] * p.tile == p.n and int8.fits(p) else None
+            p.tiles * p.tile == p.n and int8.fits(p) else None
         self.nbytes = w.nbytes
 
     def __rmatmul__(self, x):
@@ -270,8 +272,8 @@ def _threads_for(rows, w, threads):
 
 
 def _gemv(x, p, y, integer=False, isa=None, lib=None):
-    direct = p.qs.shape[0] * p.tile == p.n and y.flags.c_contiguous
-    buf = y if direct else np.empty((x.shape[0], p.qs.shape[0] * p.tile), np.float32)
+    direct = p.tiles * p.tile == p.n and y.flags.c_contiguous
+    buf = y if direct else np.empty((x.shape[0], p.tiles * p.tile), np.float32)
     if integer and int8.fits(p):
         int8.matmul(x, p, buf, isa, lib)
     elif lib is not None:
@@ -292,7 +294,7 @@ def _gemv(x, p, y, integer=False, isa=None, lib=None):
 
 
 def _blas(x, p, y, lib=None):
-    T, R = p.qs.shape[0], p.tile
+    T, R = p.tiles, p.tile
     per = max(1, SLAB_ROWS // R)                                   # tiles per slab
     slab = np.empty((p.k, min(T, per) * R), np.float32)            # W.T for the slab's rows
     for t0 in range(0, T, per):
