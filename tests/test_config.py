@@ -64,19 +64,21 @@ def test_config_errors_name_the_variable(env, words):
 
 def test_engine_settings_reach_the_engine_as_options():
     # the server keeps paused slots; activations are auto (int8 where the CPU has integer dots)
-    assert Config().engine_options() == EngineOptions(max_paused=8 + 2, activations="auto")   # + batch lines
+    assert Config().engine_options() == EngineOptions(max_paused=8 + 2, activations="auto",   # + batch lines
+                                                      weight_cache=Config().weight_cache_dir)
     c = Config.from_env({"TURBOSPARK_DEVICE": "cpu", "TURBOSPARK_WEIGHTS": "FP32", "TURBOSPARK_GEMV_MAX_B": "64",
                          "TURBOSPARK_SINGLE_ROW_THREADS": "1", "TURBOSPARK_MAX_CONTEXT": "512",
                          "TURBOSPARK_PREFILL_CHUNK": "32", "TURBOSPARK_MAX_BATCH": "4", "TURBOSPARK_MAX_PAUSED": "0",
                          "TURBOSPARK_COMPUTE_NICE": "0", "TURBOSPARK_ACTIVATIONS": "Float32",
                          "TURBOSPARK_ENCODER_THREADS": "2", "TURBOSPARK_INT8_VNNI": "0",
                          "TURBOSPARK_FUSED_LAYERS": "0", "TURBOSPARK_INT8_ISA": "AVX2", "TURBOSPARK_SPECULATIVE": "Off", "TURBOSPARK_KV_CACHE": "F32",
-                         "TURBOSPARK_SPECULATIVE_TOKENS": "3", "TURBOSPARK_KERNELS": "Numba"})
+                         "TURBOSPARK_SPECULATIVE_TOKENS": "3", "TURBOSPARK_KERNELS": "Numba",
+                         "TURBOSPARK_WEIGHT_CACHE": "/srv/weights"})
     assert c.engine_options() == EngineOptions(device="cpu", weights="fp32", max_context=512, prefill_chunk=32,
                                                max_batch=4, max_paused=0 + 2, gemv_max_b=64, single_row_threads=1,
                                                activations="float32", encoder_threads=2, int8_vnni=False,
                                                int8_isa="avx2", fused_layers=False, kv_cache="f32", speculative="off",
-                                               speculative_tokens=3, kernels="numba")
+                                               speculative_tokens=3, kernels="numba", weight_cache="/srv/weights")
     assert c.compute_nice == 0 and Config().compute_nice == 5
 
 

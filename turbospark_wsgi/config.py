@@ -63,6 +63,8 @@ class Config:
     wheels from), REASONING_BUDGETS (effort=tokens: the think block's cap per OpenAI reasoning
     effort), REASONING_BUDGET (the cap of a request that names none: N, or model=N,...,*=N),
     DATA (the Batch API's files and batches; default `data` beside the models directory),
+    WEIGHT_CACHE (where the CPU kernels' layout of a GGUF is written once and mapped by every worker;
+    default `weights` beside the models directory; off: each worker builds its own copy),
     BATCH_FILE_BYTES (the largest file upload), BATCH_MAX_LINES (requests in one batch file),
     BATCH_MAX_FILES (files one key may keep, 0 = no limit), BATCH_CONCURRENCY (batch lines a
     worker runs at once, below live traffic; 0 = this server runs no batches).
@@ -125,6 +127,7 @@ class Config:
     reasoning_budgets: str = "minimal=256,low=1024,medium=4096,high=16384,xhigh=32768"   # effort=tokens
     reasoning_budget: str = ""      # the budget when a request names none: N, or model=N,...,*=N
     data_dir: str = ""              # the Batch API's store (serving/batch_store.py); "" = beside models_dir
+    weight_cache: str = ""          # packed weights shared by workers (engine/packed.py); "" = beside models_dir, off = none
     batch_file_bytes: int = 100 * 1024 * 1024
     batch_max_lines: int = 50_000
     batch_max_files: int = 100
@@ -214,7 +217,16 @@ class Config:
                              gemv_max_b=self.gemv_max_b, single_row_threads=self.single_row_threads,
                              activations=self.activations, encoder_threads=self.encoder_threads,
                              int8_vnni=self.int8_vnni, int8_isa=self.int8_isa, fused_layers=self.fused_layers,
-                             kv_cache=self.kv_cache, kernels=self.kernels, speculative=self.speculative, speculative_tokens=self.speculative_tokens)
+                             kv_cache=self.kv_cache, kernels=self.kernels, speculative=self.speculative, speculative_tokens=self.speculative_tokens,
+                             weight_cache=self.weight_cache_dir)
+
+    @property
+    def weight_cache_dir(self):
+        """Where packed weights are kept (TURBOSPARK_WEIGHT_CACHE): `weights` beside the models
+        directory unless set; "" where it is off."""
+        if self.weight_cache == "off":
+            return ""
+        return self.weight_cache or os.path.join(os.path.dirname(os.path.abspath(self.models_dir)), "weights")
 
     def __repr__(self):
         # NOTE(secrets): keys never reach a log line through a repr of the config.
@@ -301,6 +313,8 @@ def _typed(kind):
 def _parse(name, raw):
     if name in ("models_dir", "data_dir"):
         return os.path.expanduser(raw)
+    if name == "weight_cache":
+        return "off" if raw.strip().lower() == "off" else os.path.expanduser(raw)
     if name in _LISTS:
         return tuple(k.strip() for k in raw.split(",") if k.strip())
     if name in _BOOLS:

@@ -1,5 +1,6 @@
 """GGUF files: metadata (a small stdlib reader, fast), tensor table and dequantization."""
 import math
+import mmap
 import os
 import struct
 from dataclasses import dataclass
@@ -227,6 +228,17 @@ class GGUFFile:
             self._map = np.memmap(self.path, dtype=np.uint8, mode="r")
         data = self._map[info.offset:info.offset + info.nbytes]
         return data.reshape(*info.shape[:-1], -1) if info.shape else data
+
+    def release(self, name):
+        """Lets go of the pages of tensor `name` this process has read (they stay in the page cache):
+        a loader that has copied a tensor out calls it, so that a load does not keep the whole file
+        resident beside what it built (engine/packed.py)."""
+        info = self.tensors[name]
+        if self._map is None or info.nbytes == 0:
+            return
+        page = mmap.PAGESIZE
+        start = info.offset // page * page
+        self._map._mmap.madvise(mmap.MADV_DONTNEED, start, info.offset + info.nbytes - start)
 
     def tensor(self, name):
         """The tensor dequantized to a new float32 array of shape `TensorInfo.shape`."""

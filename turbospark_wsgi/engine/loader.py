@@ -4,6 +4,7 @@ from dataclasses import dataclass
 
 from .backend import select_backend
 from .config import ModelConfig
+from . import packed
 from .kernels import cpu as kernels_cpu, warm
 from .gguf import GGUFFile, ggml_type_name, model_config_from_gguf
 from .model import Transformer
@@ -28,6 +29,7 @@ class LoadedModel:
     backend: str         # "numpy" | "cupy"
     backend_reason: str
     kernels: str = ""    # the CPU kernels it runs and why (KernelPlan.describe); "" on a GPU
+    weights: str = ""    # how the block matrices are held: mapped from the weight cache, or why not
 
 
 def load_model(path, options=None, **overrides):
@@ -60,12 +62,13 @@ def _load(path, options):
     plan = kernel_plan(options)
     if backend.kernels is not None and kind == "gguf" and options.weights != "fp32":
         from .gpu.model import load_device_model     # GGUF blocks on the device
-        model = load_device_model(cfg, source, backend.kernels)
+        model, held = load_device_model(cfg, source, backend.kernels), ""
     elif _quantized(options.weights, kind, backend.name):
-        model = Transformer(cfg, load_quantized_weights(cfg, source, plan), backend.xp, plan)
+        weights, held = _packed_weights(cfg, source, plan, options.weight_cache)
+        model = Transformer(cfg, weights, backend.xp, plan)
         kernels_cpu.limit_blas_threads(1)
     else:
-        model = Transformer(cfg, load_weights(cfg, source, kind, backend.xp), backend.xp, plan)
+        model, held = Transformer(cfg, load_weights(cfg, source, kind, backend.xp), backend.xp, plan), ""
     if getattr(model, "native", None) is not None:
         _first_pass(model)          # the C kernels were built with the plan
     elif model.fused_attention:
@@ -78,7 +81,19 @@ def _load(path, options):
                 model.warm_layers()
         kernels_cpu.warmup(plan.isa, groups=("float",))
     return LoadedModel(cfg, model, metadata, kind, path, backend.name, backend.reason,
-                       plan.describe() if backend.name == "numpy" else "")
+                       plan.describe() if backend.name == "numpy" else "", held)
+
+
+def _packed_weights(cfg, source, plan, directory):
+    """(Weights, how they are held): the block matrices mapped from the weight cache `directory`
+    where it has them, written there where it does not (engine/packed.py), else built here."""
+    store = packed.store(directory, source, plan.activations)
+    try:
+        weights = load_quantized_weights(cfg, source, plan, store)
+    except BaseException:
+        store.abort()
+        raise
+    return weights, store.finish()
 
 
 def _first_pass(model):

@@ -43,6 +43,9 @@ class EngineOptions:
     speculative: str = "auto"
     speculative_tokens: int = 8     # tokens proposed per sequence and step, at most
     draft_model: str = ""           # a model of the same tokenizer proposes instead of prompt lookup (path)
+    # a directory where the CPU kernels' layout of a GGUF's matrices is written once and mapped by every
+    # process that loads the file (engine/packed.py); "" = each process builds and holds its own
+    weight_cache: str = ""
 
     def __post_init__(self):       # the device is checked where it is chosen (backend.select_backend)
         if self.weights not in WEIGHTS:

@@ -226,12 +226,14 @@ def _upload_t(w, xp):
     return xp.asarray(np.ascontiguousarray(w.T, dtype=np.float32))
 
 
-def load_quantized_weights(cfg, source, plan=None):
+def load_quantized_weights(cfg, source, plan=None, store=None):
     """GGUF weights with every supported matrix kept in its quantized block form (numpy backend):
-    `x @ QLinear` reads the blocks directly, with the kernels of KernelPlan `plan`. A fused matrix with any unsupported part, and every
-    vector, is float32 as in `load_weights`."""
-    from . import quant
+    `x @ QLinear` reads the blocks directly, with the kernels of KernelPlan `plan`. A fused matrix
+    with any unsupported part, and every vector, is float32 as in `load_weights`. `store` (a
+    packed.Store) builds or maps each block matrix (`store.matrix(key, make)`); none: built here."""
+    from . import packed, quant
     from .kernels import cpu as kernels_cpu
+    store = store or packed.Private("")
 
     def kept(names, layer=None):
         """Whether every tensor in `names` can stay in block form (looked up, not read)."""
@@ -247,23 +249,30 @@ def load_quantized_weights(cfg, source, plan=None):
     def blocks(ours, layer=None):
         name = tensor_name(ours, "gguf", layer)
         info = source.tensors[name]
-        return quant.decode(source.raw(name), info.ggml_type, info.shape)
+        decoded = quant.decode(source.raw(name), info.ggml_type, info.shape)    # copies the blocks out
+        if hasattr(source, "release"):
+            source.release(name)
+        return decoded
 
     def linear(names, layer, fp32):
         # NOTE(read-once): support is decided from the tensor table, so a matrix with any part
         # without a block kernel is read once, as float32, and its other parts are not decoded first
         if not kept(names, layer):
             return fp32()
-        return kernels_cpu.QLinear(quant.pack([blocks(ours, layer) for ours in names]), plan=plan)
+        key = f"{layer}.{'+'.join(names)}"
+        return kernels_cpu.QLinear(store.matrix(key, lambda: quant.pack([blocks(ours, layer) for ours in names])), plan=plan)
 
-    def qkv(i):
+    def qkv_blocks(i):
         wq, wk, wv = qkv_parts(cfg, lambda ours: blocks(ours, i))
         if gguf_rows_permuted(cfg):
             wq = wq.map_rows(lambda a: unpermute_rotary_rows(a, cfg.n_head))
             wk = wk.map_rows(lambda a: unpermute_rotary_rows(a, cfg.n_kv_head))
         if not cfg.qk_norm:
             wq = wq.scaled(query_scale(cfg))
-        return kernels_cpu.QLinear(quant.pack([wq, wk, wv]), plan=plan)
+        return quant.pack([wq, wk, wv])
+
+    def qkv(i):
+        return kernels_cpu.QLinear(store.matrix(f"{i}.qkv", lambda: qkv_blocks(i)), plan=plan)
 
     def layer(i):
         def get(ours):
@@ -280,7 +289,7 @@ def load_quantized_weights(cfg, source, plan=None):
             w_down=linear(["w_down"], i, lambda: _upload_t(get("w_down"), np)),
             bqkv=bqkv, q_norm=q_norm, k_norm=k_norm)
 
-    head, tok_embd = _quantized_head(cfg, source, kept, blocks, kernels_cpu, quant, plan)
+    head, tok_embd = _quantized_head(cfg, source, kept, blocks, kernels_cpu, quant, plan, store)
     rope_name = tensor_name("rope_freqs", "gguf")
     return Weights(
         layers=[layer(i) for i in range(cfg.n_layer)], norm=fetch(source, "norm", "gguf"),
@@ -288,13 +297,13 @@ def load_quantized_weights(cfg, source, plan=None):
         rope_freqs=source.tensor(rope_name) if rope_name in source.names else None)
 
 
-def _quantized_head(cfg, source, kept, blocks, kernels_cpu, quant, plan):
+def _quantized_head(cfg, source, kept, blocks, kernels_cpu, quant, plan, store):
     """(head, tok_embd): block form where supported; float32 (tok_embd None when tied) otherwise."""
     embd_ours = "tok_embd" if cfg.tied_embeddings else "head"
-    head_q = quant.pack(blocks(embd_ours)) if kept([embd_ours]) else None
+    head_q = store.matrix(embd_ours, lambda: quant.pack(blocks(embd_ours))) if kept([embd_ours]) else None
     head = kernels_cpu.QLinear(head_q, plan=plan) if head_q is not None else _upload_t(fetch(source, embd_ours, "gguf"), np)
     if cfg.tied_embeddings:
         return head, None if head_q is None else kernels_cpu.QEmbedding(head_q)
     if kept(["tok_embd"]):
-        return head, kernels_cpu.QEmbedding(quant.pack(blocks("tok_embd")))
+        return head, kernels_cpu.QEmbedding(store.matrix("tok_embd", lambda: quant.pack(blocks("tok_embd"))))
     return head, fetch(source, "tok_embd", "gguf")

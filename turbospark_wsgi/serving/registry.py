@@ -272,8 +272,9 @@ class Registry:
             self._failures[key] = (mtime, _problem(e, key))
             metrics.record_model_load(model_id, False, time.monotonic() - started)
             raise ModelLoadError(_load_failed(name, self._failures[key][1])) from e
-        log.info("loaded %s from %s (backend %s%s)", name, key, engine.backend,
-                 f"; kernels: {engine.kernels}" if getattr(engine, "kernels", "") else "")
+        held = getattr(getattr(engine, "loaded", None), "weights", "")
+        log.info("loaded %s from %s (backend %s%s%s)", name, key, engine.backend,
+                 f"; kernels: {engine.kernels}" if getattr(engine, "kernels", "") else "", f"; {held}" if held else "")
         problem = getattr(getattr(engine, "template", None), "problem", None)
         if problem:
             log.warning("%s: its chat template was refused (%s); chat routes are off for it, "
