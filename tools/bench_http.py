@@ -33,7 +33,6 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 from dataclasses import dataclass
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -41,13 +40,11 @@ sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import bench_http_load as load  # noqa: E402
 from bench_http_report import ANCHOR, OURS, build_report, format_info, format_table, to_json  # noqa: E402
-from bench_http_servers import CpuMeter, EngineWorker, LlamaCppPythonServer, LlamaServer, OurServer  # noqa: E402
+from bench_http_servers import (LLAMA_PREFIX, CpuMeter, EngineWorker, LlamaCppPythonServer, LlamaServer,  # noqa: E402
+                                OurServer)
 from turbospark_wsgi.pull import default_model_path  # noqa: E402
 
 DEFAULT_MODEL = str(default_model_path())
-# NOTE(anchor): where tools/build_llama_server.sh puts llama.cpp (--prefix, or TURBOSPARK_LLAMA_PREFIX)
-LLAMA_PREFIX = Path(os.environ.get("TURBOSPARK_LLAMA_PREFIX")
-                    or Path(__file__).resolve().parent.parent / "build" / "llama.cpp")
 SERVER_NAMES = (OURS, ANCHOR, LlamaCppPythonServer.name)
 
 

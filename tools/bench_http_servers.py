@@ -9,6 +9,7 @@ alone in a process of its own (tools/bench_engine_batch.py --worker), set up lik
 import http.client
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -20,6 +21,17 @@ from bench_http_load import post_json
 
 REPO = Path(__file__).resolve().parents[1]
 START_TIMEOUT = 240.0
+# NOTE(anchor): where tools/build_llama_server.sh puts llama.cpp (--prefix, or TURBOSPARK_LLAMA_PREFIX)
+LLAMA_PREFIX = Path(os.environ.get("TURBOSPARK_LLAMA_PREFIX") or REPO / "build" / "llama.cpp")
+
+
+def llama_binary(name):
+    """llama.cpp's program `name` (llama-server, llama-quantize): the build script's under
+    TURBOSPARK_LLAMA_PREFIX, then under the checkout's build/llama.cpp, then on PATH; None if none is."""
+    for prefix in dict.fromkeys((LLAMA_PREFIX, REPO / "build" / "llama.cpp")):
+        if os.access(prefix / "bin" / name, os.X_OK):
+            return str(prefix / "bin" / name)
+    return shutil.which(name)
 
 
 def free_port():
