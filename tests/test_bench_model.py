@@ -1,5 +1,5 @@
-"""tools/make_bench_model.py on tiny shapes: the presets, the file the streaming writer makes and
-the Q4_K_M step."""
+"""tools/make_bench_model.py and tools/read_bandwidth.py on tiny shapes: the presets, the file the
+streaming writer makes, the Q4_K_M step, the bytes a token reads, and the C bandwidth reader."""
 import hashlib
 import os
 import stat
@@ -14,6 +14,7 @@ from turbospark_wsgi.engine.gguf import GGUFFile, ggml_type_name, model_config_f
 TOOLS = Path(__file__).resolve().parents[1] / "tools"
 sys.path.insert(0, str(TOOLS))
 import make_bench_model as make  # noqa: E402
+import read_bandwidth  # noqa: E402
 
 VOCAB = 96
 TINY = ["--dim", "64", "--layers", "2", "--ffn", "128", "--heads", "4", "--kv-heads", "2"]
@@ -96,3 +97,24 @@ def test_q4_k_m_without_llama_quantize_names_the_build_script(tmp_path, tokenize
     with pytest.raises(SystemExit, match="tools/build_llama_server.sh"):
         tiny(tmp_path, tokenizer, "--type", "Q4_K_M")
     assert not list(tmp_path.iterdir())                         # nothing written before the check
+
+
+def test_bytes_per_token_counts_a_tied_embedding_once_and_a_separate_one_by_its_row(tmp_path, tokenizer):
+    def sizes(path):
+        return {t.name: int(t.n_bytes) for t in gguf.GGUFReader(path).tensors}
+
+    tied = tiny(tmp_path, tokenizer)
+    assert read_bandwidth.bytes_per_token(tied) == sum(sizes(tied).values())
+    untied = tiny(tmp_path, tokenizer, "--no-tied-embeddings")
+    embd = sizes(untied)["token_embd.weight"]
+    row = embd // VOCAB                                                             # 64 / 32 blocks x 34 bytes
+    assert row == 68 and read_bandwidth.bytes_per_token(untied) == sum(sizes(untied).values()) - embd + row
+
+
+def test_the_bandwidth_reader_compiles_and_reads(tmp_path):
+    from turbospark_wsgi.engine.kernels.native import compiler
+    if compiler() is None:
+        pytest.skip("no C compiler (cc, gcc or clang) on PATH")
+    rates = read_bandwidth.read_bandwidth((1, 2), mib=4, passes=2, directory=tmp_path)
+    assert set(rates) == {1, 2} and all(gb > 0 for gb in rates.values())
+    assert len(list(tmp_path.iterdir())) == 1                   # built once, kept for the next call
