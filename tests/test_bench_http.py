@@ -223,6 +223,35 @@ def test_llama_server_runs_with_our_batch_as_its_slots(tools):
                                 "--host", "127.0.0.1", "--port", str(server.port)]
 
 
+def test_llama_cpp_servers_map_a_copy_of_their_own_and_ours_gets_the_speculative_mode(bench_http, tools,
+                                                                                     tmp_path):
+    import contextlib
+    servers = tools[4]
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"GGUF" + bytes(range(256)))
+    args = bench_http.parse_args(["--model", str(model), "--ignore-eos", "--speculative", "off"])
+    assert bench_http.sampling_of(args) == {"temperature": 0.0, "ignore_eos": True}
+    assert servers.engine_env(args, {})["TURBOSPARK_SPECULATIVE"] == "off"
+    assert "TURBOSPARK_SPECULATIVE" not in servers.engine_env(bench_http.parse_args([]), {})   # the server's own
+    with contextlib.ExitStack() as stack:
+        server = servers.LlamaServer(args)
+        assert server.model == str(model)
+        server.model = bench_http.own_copy(str(model), stack)
+        assert server.model != str(model) and Path(server.model).read_bytes() == model.read_bytes()
+        assert server.command()[server.command().index("-m") + 1] == server.model
+    assert not Path(server.model).exists() and model.exists()            # the copy goes, the model stays
+
+
+def test_decode_is_shown_as_weight_bytes_read_and_a_share_of_the_read_bandwidth(report_mod):
+    figures = report_mod.decode_bandwidth([20.0, None, 25.0], 600e6, 30.0)
+    assert figures["decode_weight_gb_s"] == [pytest.approx(12.0), None, pytest.approx(15.0)]
+    assert figures["decode_read_share"] == [pytest.approx(0.4), None, pytest.approx(0.5)]
+    assert report_mod.higher_is_better("decode_weight_gb_s") and report_mod.higher_is_better("decode_read_share")
+    meta = {"bytes_per_token": 654.5e6, "read_gb_s": {1: 12.25, 2: 18.0}}
+    info = report_mod.format_info(report_mod.build_report(meta, {})).splitlines()
+    assert info[1] == "weights read a token 654.5 MB; read bandwidth 12.2 GB/s with 1 thread, 18.0 GB/s with 2 threads"
+
+
 def test_missing_peers_are_skipped_with_a_message(bench_http, capsys, tmp_path):
     args = bench_http.parse_args(["--llama-server", str(tmp_path / "none"), "--llama-python", str(tmp_path / "py")])
     assert [s.name for s in bench_http.servers_to_run(args)] == ["turbospark"]
@@ -232,11 +261,11 @@ def test_missing_peers_are_skipped_with_a_message(bench_http, capsys, tmp_path):
 
 def test_engine_only_is_compared_with_the_http_figure_of_the_same_round(bench_http):
     class Worker:
-        def run(self, clients, max_tokens, temperature):
-            assert (clients, max_tokens, temperature) == ([["a"], ["b"]], 64, 0.0)
+        def run(self, clients, max_tokens, sampling):
+            assert (clients, max_tokens, sampling) == ([["a"], ["b"]], 64, {"temperature": 0.0, "ignore_eos": True})
             return {"aggregate_tok_s": 200.0}
 
-    plan = SimpleNamespace(engine=[[["x"]], [["a"], ["b"]]], sampling={"temperature": 0.0})
+    plan = SimpleNamespace(engine=[[["x"]], [["a"], ["b"]]], sampling={"temperature": 0.0, "ignore_eos": True})
     metrics = bench_http._defaulting(c8_aggregate_tok_s=[90.0, 150.0])
     bench_http.engine_only(Worker(), plan, 1, metrics, 8)
     assert metrics["engine_c8_aggregate_tok_s"] == [200.0]

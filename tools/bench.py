@@ -3,7 +3,8 @@
     python tools/bench.py [--model PATH] [--repeats 3] [--device auto|cpu|cuda] [--threads N] [--temperature T]
     python tools/bench.py --speculative [--model PATH] [--repeats 3] [--max-tokens 400] [--llama-server PATH]
     python tools/bench.py --vs-llama-cpp [--model GGUF] [--repeats 3] [--clients 1,8,16,32]
-        [--llama-server PATH] [--llama-python PY] [--fresh-numba-cache] [--temperature T] [--json]
+        [--llama-server PATH] [--llama-python PY] [--fresh-numba-cache] [--temperature T]
+        [--ignore-eos] [--speculative off|auto|on] [--read-mib 1024] [--json]
 
 Decode is greedy unless --temperature is given; then each token is drawn by the server's sampler
 at that temperature (its other fields off, the OpenAI defaults).
@@ -18,7 +19,9 @@ decode rate (`timings.predicted_per_second`) is shown beside.
 --vs-llama-cpp runs the HTTP benchmark of tools/bench_http.py instead: this server against
 llama.cpp's C++ `llama-server` and llama-cpp-python's server, all up at once and measured in
 rotating order, same GGUF and threads, beside this engine's own in-process figure
-(tools/bench_engine_batch.py); see its --help for the other flags. With --temperature there,
+(tools/bench_engine_batch.py), and single-stream decode as weight GB/s and its share of the
+machine's measured read bandwidth; see its --help for the other flags. On random-weight models
+(tools/make_bench_model.py) run it with --ignore-eos --speculative off. With --temperature there,
 llama.cpp's servers sample with their own top_k 40 (and top_p 0.95, min_p 0.05) on top of it.
 
 On a CPU shared with other busy processes, OpenBLAS's worker threads can stall each other; compare

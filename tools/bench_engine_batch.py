@@ -34,8 +34,8 @@ def parse_args(argv=None):
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--worker", action="store_true",
-                   help='read {"clients": [[prompt, ...], ...], "max_tokens": N, "temperature": T} lines, '
-                        'answer one JSON line each')
+                   help='read {"clients": [[prompt, ...], ...], "max_tokens": N, "temperature": T, '
+                        '"ignore_eos": B} lines, answer one JSON line each')
     return p.parse_args(argv)
 
 
@@ -88,10 +88,11 @@ def greedy(max_tokens):
     return at_temperature(0.0)(max_tokens)
 
 
-def at_temperature(temperature):
-    """make_params for `drive`: SamplingParams at that temperature, every other field at its default."""
+def at_temperature(temperature, ignore_eos=False):
+    """make_params for `drive`: SamplingParams at that temperature (through EOS with ignore_eos),
+    every other field at its default."""
     from turbospark_wsgi.engine import SamplingParams
-    return lambda max_tokens: SamplingParams(max_new_tokens=max_tokens, temperature=temperature)
+    return lambda max_tokens: SamplingParams(max_new_tokens=max_tokens, temperature=temperature, ignore_eos=ignore_eos)
 
 
 def load(model, max_batch):
@@ -116,7 +117,8 @@ def worker(engine):
             continue
         try:
             job = json.loads(line)
-            result = drive(engine, job["clients"], job["max_tokens"], at_temperature(job.get("temperature", 0.0)))
+            params = at_temperature(job.get("temperature", 0.0), job.get("ignore_eos", False))
+            result = drive(engine, job["clients"], job["max_tokens"], params)
         except Exception as exc:      # noqa: BLE001 -- reported to the caller, which goes on
             result = {"error": f"{type(exc).__name__}: {exc}"}
         print(json.dumps(result), flush=True)

@@ -1,7 +1,8 @@
 """Side-by-side HTTP benchmark: this server against llama.cpp's servers on the same GGUF.
 
     python tools/bench.py --vs-llama-cpp [--model GGUF] [--repeats 3] [--clients 1,8,16,32]
-        [--llama-server PATH] [--llama-python PY] [--fresh-numba-cache] [--temperature T] [--json]
+        [--llama-server PATH] [--llama-python PY] [--fresh-numba-cache] [--temperature T]
+        [--ignore-eos] [--speculative off|auto|on] [--read-mib 1024] [--json]
 
 The servers are up at once on loopback with the same thread count: this server, llama.cpp's C++
 `llama-server` (-np = --max-batch, the anchor of the ratios) and llama-cpp-python's server when
@@ -18,6 +19,17 @@ engine-only figure and what the serving path keeps of it. Prompts differ per req
 up front), so no prefix cache helps except across the two chat turns. Prints medians (min-max)
 over rounds, ratios ours/peer, peak RSS and the load average per round; --json prints one object.
 
+Each llama.cpp server maps a copy of the GGUF of its own (in a temp directory, removed after):
+processes that map one file share its page cache, which cost a decode ~10%. Before the servers
+start, tools/read_bandwidth.c measures the machine's read bandwidth (--read-mib MiB, 1 and --threads
+threads); single-stream decode is then also shown as the weight bytes it reads a second (tok/s x
+the GGUF's bytes a token, tools/read_bandwidth.py) and their share of that bandwidth at --threads.
+
+Random-weight models (tools/make_bench_model.py) want --ignore-eos, which every request and the
+engine-only run carry (llama-server takes the field too; llama-cpp-python ignores it), and
+--speculative off, which sets this server's TURBOSPARK_SPECULATIVE (llama.cpp's servers speculate
+only when asked, and are not asked here): both then run plain decode steps.
+
 Every request is greedy unless --temperature is given. With a temperature, llama.cpp's servers
 sample with their own defaults on top of it (top_k 40, top_p 0.95, min_p 0.05, as llama-server's
 /props reports), where this server's top_k, top_p and min_p stay off (the OpenAI defaults): the
@@ -27,27 +39,26 @@ import argparse
 import contextlib
 import os
 import random
+import shutil
 import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
-from pathlib import Path
 from dataclasses import dataclass
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import bench_http_load as load  # noqa: E402
-from bench_http_report import ANCHOR, OURS, build_report, format_info, format_table, to_json  # noqa: E402
-from bench_http_servers import CpuMeter, EngineWorker, LlamaCppPythonServer, LlamaServer, OurServer  # noqa: E402
+from bench_http_report import ANCHOR, OURS, build_report, decode_bandwidth, format_info, format_table, to_json  # noqa: E402
+from bench_http_servers import (LLAMA_PREFIX, CpuMeter, EngineWorker, LlamaCppPythonServer, LlamaServer,  # noqa: E402
+                                OurServer)
 from turbospark_wsgi.pull import default_model_path  # noqa: E402
 
 DEFAULT_MODEL = str(default_model_path())
-# NOTE(anchor): where tools/build_llama_server.sh puts llama.cpp (--prefix, or TURBOSPARK_LLAMA_PREFIX)
-LLAMA_PREFIX = Path(os.environ.get("TURBOSPARK_LLAMA_PREFIX")
-                    or Path(__file__).resolve().parent.parent / "build" / "llama.cpp")
 SERVER_NAMES = (OURS, ANCHOR, LlamaCppPythonServer.name)
 
 
@@ -81,6 +92,10 @@ def parse_args(argv=None):
                    help="also decode 64 tokens after a prompt of about this many tokens (0: not)")
     p.add_argument("--ignore-eos", action="store_true",
                    help="every request decodes its max_tokens (random-weight models; both servers take it)")
+    p.add_argument("--speculative", choices=("auto", "on", "off"),
+                   help="this server's TURBOSPARK_SPECULATIVE (default: its own); llama.cpp's never speculate here")
+    p.add_argument("--read-mib", type=int, default=1024,
+                   help="MiB of the read-bandwidth measurement (tools/read_bandwidth.c; 0: none)")
     p.add_argument("--servers", default=",".join(SERVER_NAMES), help="which to measure, comma-separated")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     args = p.parse_args(argv)
@@ -219,6 +234,28 @@ def make_plan(server, args):
                 sampling=sampling_of(args))
 
 
+def own_copy(path, stack):
+    """A copy of the file at `path` in a temporary directory that `stack` removes."""
+    directory = stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-model-"))
+    copy = os.path.join(directory, os.path.basename(path))
+    shutil.copyfile(path, copy)
+    return copy
+
+
+def memory_figures(args):
+    """{"bytes_per_token", "read_gb_s": {threads: GB/s}} of the model and this machine; {} without
+    --read-mib, and without read_gb_s where the reader cannot be built or run."""
+    if not args.read_mib:
+        return {}
+    from read_bandwidth import ReaderUnavailable, bytes_per_token, read_bandwidth
+    out = {"bytes_per_token": bytes_per_token(args.model)}
+    try:
+        out["read_gb_s"] = read_bandwidth(sorted({1, args.threads}), args.read_mib)
+    except ReaderUnavailable as exc:
+        log(f"read bandwidth not measured: {exc}")
+    return out
+
+
 def sampling_of(args):
     return {"temperature": args.temperature, **({"ignore_eos": True} if args.ignore_eos else {})}
 
@@ -305,7 +342,7 @@ def workloads(args):
 
 def engine_only(worker, plan, r, metrics, level):
     """The engine-only aggregate of this round, and the HTTP aggregate at the same count over it."""
-    result = worker.run(plan.engine[r], CONCURRENT_TOKENS, plan.sampling["temperature"])
+    result = worker.run(plan.engine[r], CONCURRENT_TOKENS, plan.sampling)
     metrics[f"engine_c{level}_aggregate_tok_s"].append(result["aggregate_tok_s"])
     http = metrics.get(f"c{level}_aggregate_tok_s") or []
     if len(http) > r and http[r] and result["aggregate_tok_s"]:
@@ -313,8 +350,8 @@ def engine_only(worker, plan, r, metrics, level):
 
 
 DEEP_TOKENS = 64
-METRICS = ("prefill_tok_s", "decode_tok_s", "deep_decode_tok_s", "chat_ttft1_s", "chat_ttft2_s", "chat_ttft2_over_1",
-           "short_ttft_s", "short_latency_s")
+METRICS = ("prefill_tok_s", "decode_tok_s", "decode_weight_gb_s", "decode_read_share", "deep_decode_tok_s",
+           "chat_ttft1_s", "chat_ttft2_s", "chat_ttft2_over_1", "short_ttft_s", "short_latency_s")
 COLD_METRICS = ("ready_s", "first_request_s", "first_answer_s", "first_over_warm", "first_burst_tok_s")
 COUNT_METRICS = ("prefill_prompt_tokens", "decode_completion_tokens")
 CONCURRENT_METRICS = ("aggregate_tok_s", "p50_s", "p95_s", "tokens")
@@ -459,6 +496,10 @@ def measure(args, servers):
     run = Run(args, servers)
     started = time.monotonic()
     with contextlib.ExitStack() as stack:
+        for server in servers:
+            if server.name != OURS:
+                # PERF(page-cache): two processes mapping one file share its pages: ~10% off a decode
+                server.model = own_copy(args.model, stack)
         # NOTE(watchdog): the budget is checked between rounds; past 1.5x of it every server is
         # stopped, so their requests fail at once and the run stays bounded on a slow machine.
         watchdog = threading.Timer(HARD_LIMIT * args.budget, _stop_late, (run,))
@@ -495,12 +536,17 @@ class _defaulting(dict):
         return self[key]
 
 
-def report_of(args, run, wall_s):
+def report_of(args, run, wall_s, memory):
     meta = {"model": args.model, "repeats": args.repeats, "threads": args.threads, "max_batch": args.max_batch,
-            "temperature": args.temperature,
+            "temperature": args.temperature, "ignore_eos": args.ignore_eos, "speculative": args.speculative,
+            **memory,
             "clients": args.clients, "requests_per_client": args.requests_per_client,
             "engine_clients": args.engine_clients, "fresh_numba_cache": args.fresh_numba_cache,
             "cpu_count": os.cpu_count(), "cpu": cpu_name(), "wall_s": round(wall_s, 1), **run.meta}
+    if memory.get("read_gb_s"):
+        for metrics in run.metrics.values():
+            metrics.update(decode_bandwidth(metrics["decode_tok_s"], memory["bytes_per_token"],
+                                            memory["read_gb_s"][args.threads]))
     # NOTE(order): a metric any server has, for every server that has it listed (empty where it
     # failed), so the table keeps the workloads' order whichever server failed
     measured = {k for m in run.metrics.values() for k, v in m.items() if v}
@@ -530,7 +576,8 @@ def main(argv=None):
     servers = servers_to_run(args)
     if not servers:
         sys.exit("no server to measure")
-    report = report_of(args, measure(args, servers), time.monotonic() - started)
+    memory = memory_figures(args)
+    report = report_of(args, measure(args, servers), time.monotonic() - started, memory)
     if args.json:
         print(to_json(report))
         return report

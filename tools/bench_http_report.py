@@ -1,9 +1,9 @@
 """Statistics and the side-by-side report of tools/bench_http.py: pure functions, no servers.
 
 A result per server is {"metrics": {name: [one value per round]}, "info": {...}}. Metric names
-ending in "tok_s" or "_over_engine" are rates (higher is better); those ending in "_tokens",
-"_errors" or "_cores" are counts and load (not compared); every other metric is a time or a time ratio (lower is
-better). Ratios are ours / a peer's of the medians: `ratios` against the anchor (llama.cpp's
+ending in "tok_s", "_gb_s", "_share" or "_over_engine" are rates (higher is better); those ending in
+"_tokens", "_errors" or "_cores" are counts and load (not compared); every other metric is a time or a
+time ratio (lower is better). Ratios are ours / a peer's of the medians: `ratios` against the anchor (llama.cpp's
 `llama-server`), `peer_ratios` against every peer measured.
 """
 import json
@@ -14,6 +14,8 @@ OURS, ANCHOR = "turbospark", "llama-server"
 LABELS = {
     "prefill_tok_s": "prefill tok/s (~512-token prompt, max_tokens 1)",
     "decode_tok_s": "single-stream decode tok/s (128 tokens)",
+    "decode_weight_gb_s": "the same as weight GB/s read (tok/s x bytes a token)",
+    "decode_read_share": "the same as a share of the measured read bandwidth",
     "deep_decode_tok_s": "decode tok/s after a --deep-context prompt (64 tokens)",
     "chat_ttft1_s": "chat turn 1 TTFT s (~600 tokens)",
     "chat_ttft2_s": "chat turn 2 TTFT s",
@@ -46,7 +48,7 @@ def label(name):
 
 
 def higher_is_better(name):
-    return name.endswith(("tok_s", "_over_engine"))
+    return name.endswith(("tok_s", "_gb_s", "_share", "_over_engine"))
 
 
 def is_count(name):
@@ -71,6 +73,12 @@ def decode_rate(token_times, completion_tokens):
         return None
     span = token_times[-1] - token_times[0]
     return (completion_tokens - 1) / span if span > 0 else None
+
+
+def decode_bandwidth(decode_tok_s, bytes_per_token, read_gb_s):
+    """Per round: the weight GB/s a decode reads (tok/s x bytes a token) and its share of read_gb_s."""
+    gb_s = [None if r is None else r * bytes_per_token / 1e9 for r in decode_tok_s]
+    return {"decode_weight_gb_s": gb_s, "decode_read_share": [None if g is None else g / read_gb_s for g in gb_s]}
 
 
 def summarize(values):
@@ -160,6 +168,10 @@ def format_info(report):
     rounds = ", ".join(_fixed(v) for v in meta.get("load_per_round", ())) or "-"
     lines = [f"load average {_fixed(meta.get('load_start'))} at start; {rounds} at each round; "
              f"{_fixed(meta.get('load_end'))} at end ({meta.get('cpu_count', '?')} CPUs)"]
+    if meta.get("bytes_per_token"):
+        read = ", ".join(f"{gb:.1f} GB/s with {t} thread{'s' * (int(t) > 1)}"
+                         for t, gb in meta.get("read_gb_s", {}).items()) or "not measured"
+        lines.append(f"weights read a token {meta['bytes_per_token'] / 1e6:.1f} MB; read bandwidth {read}")
     for name, server in report["servers"].items():
         info = server["info"]
         parts = [f"peak RSS {_fixed(info.get('peak_rss_mib'), 0)} MiB",

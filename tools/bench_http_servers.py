@@ -9,6 +9,7 @@ alone in a process of its own (tools/bench_engine_batch.py --worker), set up lik
 import http.client
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -20,6 +21,17 @@ from bench_http_load import post_json
 
 REPO = Path(__file__).resolve().parents[1]
 START_TIMEOUT = 240.0
+# NOTE(anchor): where tools/build_llama_server.sh puts llama.cpp (--prefix, or TURBOSPARK_LLAMA_PREFIX)
+LLAMA_PREFIX = Path(os.environ.get("TURBOSPARK_LLAMA_PREFIX") or REPO / "build" / "llama.cpp")
+
+
+def llama_binary(name):
+    """llama.cpp's program `name` (llama-server, llama-quantize): the build script's under
+    TURBOSPARK_LLAMA_PREFIX, then under the checkout's build/llama.cpp, then on PATH; None if none is."""
+    for prefix in dict.fromkeys((LLAMA_PREFIX, REPO / "build" / "llama.cpp")):
+        if os.access(prefix / "bin" / name, os.X_OK):
+            return str(prefix / "bin" / name)
+    return shutil.which(name)
 
 
 def free_port():
@@ -108,6 +120,7 @@ class Server:
 
     def __init__(self, args):
         self.args = args
+        self.model = args.model         # the file it maps: bench_http gives llama.cpp's servers a copy
         self.port = free_port()
         self.proc = None
         self.launched = None
@@ -180,12 +193,15 @@ class Server:
 
 
 def engine_env(args, base, fresh_cache=False):
-    """This server's engine settings: threads, batch and queue sizes, and with fresh_cache an empty
-    kernel cache (the C kernels' builds and numba's cache), so the first load builds them as on a fresh install."""
+    """This server's engine settings: threads, batch and queue sizes, speculative decoding where
+    args.speculative names it, and with fresh_cache an empty kernel cache (the C kernels' builds and
+    numba's cache), so the first load builds them as on a fresh install."""
     threads = str(args.threads)
     env = dict(base, TURBOSPARK_MODEL=args.model, TURBOSPARK_DEVICE="cpu", TURBOSPARK_MAX_BATCH=str(args.max_batch),
                TURBOSPARK_MAX_WAITING="32", OPENBLAS_NUM_THREADS=str(args.blas_threads or threads),
                OMP_NUM_THREADS=threads, NUMBA_NUM_THREADS=threads)
+    if getattr(args, "speculative", None):
+        env["TURBOSPARK_SPECULATIVE"] = args.speculative
     if fresh_cache:
         env["NUMBA_CACHE_DIR"] = tempfile.mkdtemp(prefix="bench-numba-")
     return env
@@ -216,7 +232,7 @@ class LlamaServer(Server):
 
     def command(self):
         threads = str(self.args.threads)
-        return [self.args.llama_server, "-m", self.args.model, "-t", threads, "-tb", threads,
+        return [self.args.llama_server, "-m", self.model, "-t", threads, "-tb", threads,
                 "-c", str(max(self.args.llama_ctx, self.args.max_batch * (self.args.deep_context + 512))),
                 "-np", str(self.args.max_batch),
                 "--host", "127.0.0.1", "--port", str(self.port)]
@@ -234,7 +250,7 @@ class LlamaCppPythonServer(Server):
         threads = str(self.args.threads)
         # NOTE(interrupt): interrupt_requests defaults to true there: a new request would cut the
         # running stream short, which is not serving concurrent clients.
-        return [self.args.llama_python, "-m", "llama_cpp.server", "--model", self.args.model,
+        return [self.args.llama_python, "-m", "llama_cpp.server", "--model", self.model,
                 "--n_threads", threads, "--n_threads_batch", threads, "--n_ctx", "4096",
                 "--host", "127.0.0.1", "--port", str(self.port), "--interrupt_requests", "false"]
 
@@ -244,7 +260,7 @@ class LlamaCppPythonServer(Server):
 
 class EngineWorker:
     """This server's engine in-process in a child (tools/bench_engine_batch.py --worker): `run(clients,
-    max_tokens, temperature)` -> its result dict. `with worker:` starts it and waits for the model; always stops it."""
+    max_tokens, sampling)` -> its result dict. `with worker:` starts it and waits for the model; always stops it."""
     name = "engine-only"
 
     def __init__(self, args):
@@ -268,8 +284,9 @@ class EngineWorker:
     def __exit__(self, *exc):
         self.stop()
 
-    def run(self, clients, max_tokens, temperature=0.0):
-        job = {"clients": clients, "max_tokens": max_tokens, "temperature": temperature}
+    def run(self, clients, max_tokens, sampling=None):
+        """`sampling`: the requests' temperature and ignore_eos ({}: greedy, stopping at EOS)."""
+        job = {"clients": clients, "max_tokens": max_tokens, **(sampling or {})}
         self.proc.stdin.write(json.dumps(job) + "\n")
         self.proc.stdin.flush()
         result = self._answer()
