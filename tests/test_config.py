@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from turbospark_wsgi import cli
-from turbospark_wsgi.config import DEFAULT_MODEL, Config, ConfigError, setting_from_env, worker_threads
+from turbospark_wsgi.config import DEFAULT_MODEL, Config, ConfigError, setting_from_env, weight_cache_dir, worker_threads
 from turbospark_wsgi.engine import EngineOptions
 
 REPO = Path(__file__).resolve().parent.parent
@@ -65,7 +65,7 @@ def test_config_errors_name_the_variable(env, words):
 def test_engine_settings_reach_the_engine_as_options():
     # the server keeps paused slots; activations are auto (int8 where the CPU has integer dots)
     assert Config().engine_options() == EngineOptions(max_paused=8 + 2, activations="auto",   # + batch lines
-                                                      weight_cache=Config().weight_cache_dir)
+                                                      weight_cache=weight_cache_dir(Config()))
     c = Config.from_env({"TURBOSPARK_DEVICE": "cpu", "TURBOSPARK_WEIGHTS": "FP32", "TURBOSPARK_GEMV_MAX_B": "64",
                          "TURBOSPARK_SINGLE_ROW_THREADS": "1", "TURBOSPARK_MAX_CONTEXT": "512",
                          "TURBOSPARK_PREFILL_CHUNK": "32", "TURBOSPARK_MAX_BATCH": "4", "TURBOSPARK_MAX_PAUSED": "0",

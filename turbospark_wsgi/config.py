@@ -63,8 +63,7 @@ class Config:
     wheels from), REASONING_BUDGETS (effort=tokens: the think block's cap per OpenAI reasoning
     effort), REASONING_BUDGET (the cap of a request that names none: N, or model=N,...,*=N),
     DATA (the Batch API's files and batches; default `data` beside the models directory),
-    WEIGHT_CACHE (where the CPU kernels' layout of a GGUF is written once and mapped by every worker;
-    default `weights` beside the models directory; off: each worker builds its own copy),
+    WEIGHT_CACHE (the CPU layout of a GGUF, written once, mapped by every worker; off: none),
     BATCH_FILE_BYTES (the largest file upload), BATCH_MAX_LINES (requests in one batch file),
     BATCH_MAX_FILES (files one key may keep, 0 = no limit), BATCH_CONCURRENCY (batch lines a
     worker runs at once, below live traffic; 0 = this server runs no batches).
@@ -210,23 +209,11 @@ class Config:
         return self.cache_isolation == "key" or self.cache_isolation == "auto" and self.auth_enabled
 
     def engine_options(self):
-        """What the engine needs of these settings."""
-        return EngineOptions(device=self.device, weights=self.weights, max_context=self.max_context,
-                             prefill_chunk=self.prefill_chunk, max_batch=self.max_batch,
-                             max_paused=self.max_paused + self.batch_concurrency,   # NOTE(batch): their own slots
-                             gemv_max_b=self.gemv_max_b, single_row_threads=self.single_row_threads,
-                             activations=self.activations, encoder_threads=self.encoder_threads,
-                             int8_vnni=self.int8_vnni, int8_isa=self.int8_isa, fused_layers=self.fused_layers,
-                             kv_cache=self.kv_cache, kernels=self.kernels, speculative=self.speculative, speculative_tokens=self.speculative_tokens,
-                             weight_cache=self.weight_cache_dir)
-
-    @property
-    def weight_cache_dir(self):
-        """Where packed weights are kept (TURBOSPARK_WEIGHT_CACHE): `weights` beside the models
-        directory unless set; "" where it is off."""
-        if self.weight_cache == "off":
-            return ""
-        return self.weight_cache or os.path.join(os.path.dirname(os.path.abspath(self.models_dir)), "weights")
+        """What the engine needs of these settings: its options of the same names (the draft model
+        is the registry's to resolve), the batch lines' own slots and the weight cache's directory."""
+        same = {f.name: getattr(self, f.name) for f in fields(EngineOptions) if f.name != "draft_model"}
+        return EngineOptions(**{**same, "max_paused": self.max_paused + self.batch_concurrency,   # NOTE(batch)
+                                "weight_cache": weight_cache_dir(self)})
 
     def __repr__(self):
         # NOTE(secrets): keys never reach a log line through a repr of the config.
@@ -299,6 +286,14 @@ def read_key_file(path):
     if not keys:
         raise ConfigError(f"TURBOSPARK_API_KEY_FILE holds no keys ({path})")
     return keys
+
+
+def weight_cache_dir(config):
+    """Where packed weights are kept (TURBOSPARK_WEIGHT_CACHE, engine/packed.py): `weights` beside
+    the models directory unless set; "" where it is off."""
+    if config.weight_cache == "off":
+        return ""
+    return config.weight_cache or os.path.join(os.path.dirname(os.path.abspath(config.models_dir)), "weights")
 
 
 _ENV_NAMES = {"models_dir": "MODELS", "data_dir": "DATA"}

@@ -9,7 +9,7 @@ import threading
 import numpy as np
 import pytest
 
-from turbospark_wsgi.config import Config
+from turbospark_wsgi.config import Config, weight_cache_dir
 from turbospark_wsgi.engine import packed, quant
 from turbospark_wsgi.engine.kernels import cpu as kernels_cpu, int8
 from turbospark_wsgi.engine.loader import load_model
@@ -202,9 +202,9 @@ def test_drop_tiled_needs_the_int8_layout():
 
 def test_the_weight_cache_is_beside_the_models_directory_unless_set(tmp_path):
     models = tmp_path / "cache" / "models"
-    assert Config(models_dir=str(models)).weight_cache_dir == str(tmp_path / "cache" / "weights")
-    assert Config(models_dir=str(models), weight_cache="/x/y").weight_cache_dir == "/x/y"
-    assert Config(models_dir=str(models), weight_cache="off").weight_cache_dir == ""
+    assert weight_cache_dir(Config(models_dir=str(models))) == str(tmp_path / "cache" / "weights")
+    assert weight_cache_dir(Config(models_dir=str(models), weight_cache="/x/y")) == "/x/y"
+    assert weight_cache_dir(Config(models_dir=str(models), weight_cache="off")) == ""
     assert Config(models_dir=str(models)).engine_options().weight_cache == str(tmp_path / "cache" / "weights")
     env = Config.from_env({"TURBOSPARK_WEIGHT_CACHE": "OFF", "TURBOSPARK_MODELS": str(models)})
-    assert env.weight_cache_dir == ""
+    assert weight_cache_dir(env) == ""

@@ -63,7 +63,7 @@ class Blocks:
 class QWeight:
     """Tiled blocks of an [n, k] weight; `tile` output rows per SIMD-lane group (n padded up).
 
-    NOTE(one-layout): the int8 kernels read `qv` (kernels/int8.py prepare), the float kernels and
+    NOTE(one-layout): the int8 kernels read `qv` (quant.prepare), the float kernels and
     the references `qs`; a weight holds one of the two once `drop_tiled` ran (what the int8 loader
     keeps: the packed weights file maps `qv` alone, engine/packed.py), and `qs` is rebuilt from `qv`
     (and kept) only when a float path asks for it."""
@@ -74,21 +74,20 @@ class QWeight:
     tiled: object    # qs, or None where only qv is held (read it as `qs`)
     d: np.ndarray    # float16 or float32 [T, nd, tile] (NOTE(scales-f16))
     m: object        # q4 mins of d's type [T, k/32, tile], or None (q8; q4: m = -8d)
-    qv: object = None   # the int8-activation kernels' layout, built on first use (kernels/int8.py prepare)
+    qv: object = None   # the int8-activation kernels' layout, built on first use (quant.prepare)
     cw: object = None   # the kernels' views of it (kernels/native.py, float_scales), built on first use
 
     @property
     def qs(self):
         """q4: uint8 [T, k/32, 16, tile]; q8: int8 [T, k/16, 16, tile] (rebuilt from qv where dropped)."""
         if self.tiled is None:
-            from .kernels import int8
-            self.tiled = int8.unprepare(self)
+            self.tiled = unprepare(self)
         return self.tiled
 
     def drop_tiled(self):
         """Keeps only the int8 layout (qv must be built): the float paths rebuild qs on demand."""
         if self.qv is None:
-            raise ValueError("drop_tiled needs the int8 layout (kernels/int8.py prepare) first")
+            raise ValueError("drop_tiled needs the int8 layout (quant.prepare) first")
         self.tiled = None
 
     @property
@@ -301,6 +300,50 @@ def untile(w):
     return Blocks(w.kind, rows(w.qs), rows(w.scales), None if w.kind == "q8" else rows(w.mins))
 
 
+# ---------------------------------------------------------------------------- the int8 kernels' layout
+
+LANES = 16      # output rows per 512-bit accumulator (kernels/int8.py)
+
+
+def fits(p):
+    """Whether the int8 kernels take part `p`: its tile fills whole accumulators."""
+    return p.tile % LANES == 0
+
+
+def prepare(p):
+    """The int8 kernels' layout of a QWeight (kept on it as `p.qv`): uint8
+    [T, units, R/16, quads, 16, 4] (see kernels/int8.py's docstring)."""
+    if p.qv is None:
+        T, n_sub, S, R = p.qs.shape                                    # S = 16 bytes per block/sub-block
+        per = 1 if p.kind == "q4" else n_sub // p.d.shape[1]           # q8: sub-blocks per scale
+        q = p.qs.view(np.uint8) if p.kind == "q4" else (p.qs.view(np.uint8) ^ np.uint8(128))
+        # [T, units, per, S, R] -> [T, units, R/16, per*S/4 quads, 16, 4]
+        q = q.reshape(T, n_sub // per, per * S // 4, 4, R // LANES, LANES)
+        p.qv = np.ascontiguousarray(q.transpose(0, 1, 4, 2, 5, 3))
+    return p.qv
+
+
+def _unit_bytes(p):
+    """qv [T, nu, R/16, quads, 16, 4] -> uint8 [T, nu, R/16, 16 rows, quads * 4 bytes] (a view)."""
+    return p.qv.transpose(0, 1, 2, 4, 3, 5).reshape(*p.qv.shape[:3], LANES, -1)
+
+
+def unprepare(p):
+    """QWeight p's tiled blocks (`qs`: [T, k/32 or k/16, 16, tile]) rebuilt from its int8 layout
+    `qv`, the inverse of `prepare`."""
+    T, nu, chunks, quads = p.qv.shape[:4]
+    q = p.qv.transpose(0, 1, 3, 5, 2, 4).reshape(T, nu * quads // 4, 16, chunks * LANES)
+    return np.ascontiguousarray(q) if p.kind == "q4" else (q ^ np.uint8(128)).view(np.int8)
+
+
+def block_rows(p, t, r):
+    """Rows (tile t [N], lane r [N]) of QWeight p as quant.Blocks.q holds them, read from `qv`:
+    q4 uint8 [N, k/32, 16], q8 int8 [N, k/16, 16]."""
+    b = _unit_bytes(p)[t, :, r // LANES, r % LANES]                      # [N, nu, bytes per unit]
+    b = b.reshape(len(t), -1, 16)
+    return b if p.kind == "q4" else (b ^ np.uint8(128)).view(np.int8)
+
+
 # ---------------------------------------------------------------------------- reference
 
 def dequantize_blocks(b, rows=None):
@@ -332,10 +375,7 @@ def matmul_ref(x, w):
 def _block_rows(p, t, r):
     """The blocks of rows (tile t, lane r) of QWeight p as Blocks.q holds them, read from whichever
     layout p keeps (a token lookup must not rebuild qs from qv: NOTE(one-layout))."""
-    if p.tiled is not None:
-        return p.tiled[t, ..., r]
-    from .kernels import int8
-    return int8.block_rows(p, t, r)
+    return p.tiled[t, ..., r] if p.tiled is not None else block_rows(p, t, r)
 
 
 def embed_rows(w, ids):

@@ -29,6 +29,7 @@ keep both nibbles (byte j: weight j low, weight j+16 high); q8 bytes are q + 128
 import numpy as np
 
 from .. import quant
+from ..quant import LANES, block_rows, fits, prepare, unprepare  # noqa: F401 (the layout, quant.py)
 from . import isa, threads
 
 try:
@@ -41,7 +42,6 @@ AVAILABLE = numba is not None
 if AVAILABLE:
     from .int8_dot import _q8_bias, _unit_dot
 QA = 32         # activation block (int8 values per scale)
-LANES = 16      # output rows per 512-bit accumulator
 
 
 def choose(want="auto", allow_vnni=True):
@@ -89,45 +89,6 @@ def matmul_ref(x, w):
             y = xa @ (v * b.d[..., None]).reshape(n, K).T
         out.append(y)
     return np.concatenate(out, axis=1).astype(np.float32)
-
-
-def fits(p):
-    """Whether the int8 kernels take part `p`: its tile fills whole accumulators."""
-    return p.tile % LANES == 0
-
-
-def prepare(p):
-    """The int8 kernels' layout of a QWeight (kept on it as `p.qv`): uint8
-    [T, units, R/16, quads, 16, 4] (see the module docstring)."""
-    if p.qv is None:
-        T, n_sub, S, R = p.qs.shape                                    # S = 16 bytes per block/sub-block
-        per = 1 if p.kind == "q4" else n_sub // p.d.shape[1]           # q8: sub-blocks per scale
-        q = p.qs.view(np.uint8) if p.kind == "q4" else (p.qs.view(np.uint8) ^ np.uint8(128))
-        # [T, units, per, S, R] -> [T, units, R/16, per*S/4 quads, 16, 4]
-        q = q.reshape(T, n_sub // per, per * S // 4, 4, R // LANES, LANES)
-        p.qv = np.ascontiguousarray(q.transpose(0, 1, 4, 2, 5, 3))
-    return p.qv
-
-
-def _unit_bytes(p):
-    """qv [T, nu, R/16, quads, 16, 4] -> uint8 [T, nu, R/16, 16 rows, quads * 4 bytes] (a view)."""
-    return p.qv.transpose(0, 1, 2, 4, 3, 5).reshape(*p.qv.shape[:3], LANES, -1)
-
-
-def unprepare(p):
-    """QWeight p's tiled blocks (`qs`: [T, k/32 or k/16, 16, tile]) rebuilt from its int8 layout
-    `qv`, the inverse of `prepare`."""
-    T, nu, chunks, quads = p.qv.shape[:4]
-    q = p.qv.transpose(0, 1, 3, 5, 2, 4).reshape(T, nu * quads // 4, 16, chunks * LANES)
-    return np.ascontiguousarray(q) if p.kind == "q4" else (q ^ np.uint8(128)).view(np.int8)
-
-
-def block_rows(p, t, r):
-    """Rows (tile t [N], lane r [N]) of QWeight p as quant.Blocks.q holds them, read from `qv`:
-    q4 uint8 [N, k/32, 16], q8 int8 [N, k/16, 16]."""
-    b = _unit_bytes(p)[t, :, r // LANES, r % LANES]                      # [N, nu, bytes per unit]
-    b = b.reshape(len(t), -1, 16)
-    return b if p.kind == "q4" else (b ^ np.uint8(128)).view(np.int8)
 
 
 if AVAILABLE:
