@@ -109,6 +109,15 @@ def test_packed_files_of_deleted_models_are_removed_when_another_is_written(tiny
     assert only.startswith(packed.PREFIX + packed.identity(kept.path)["tag"])
 
 
+def test_a_killed_writers_leftover_is_removed_by_the_next_writer(tiny_gguf, tmp_path):
+    model = tiny_gguf("Q4_0")
+    ident = packed.identity(model.path)
+    left = tmp_path / f"{packed.PREFIX}{ident['tag']}-{ident['key']}.bin.99999.tmp"
+    left.write_bytes(b"half a file")
+    assert "packed into" in _load(model.path, tmp_path).weights
+    assert not left.exists() and len(_bins(tmp_path)) == 1
+
+
 def test_a_full_disk_while_writing_leaves_no_file_and_the_model_runs(tiny_gguf, tmp_path, monkeypatch):
     model = tiny_gguf("Q4_0")
     want = _logits(_load(model.path, None))

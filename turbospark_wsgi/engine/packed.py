@@ -129,6 +129,11 @@ class Writer:
     def __init__(self, name, ident, lock):
         self.name, self.ident, self.lock = name, ident, lock
         self.tmp = f"{name}.{os.getpid()}.tmp"
+        # under the lock no one else writes this model's file: a .tmp left is a killed writer's
+        directory = os.path.dirname(name)
+        for entry in os.listdir(directory):
+            if entry.startswith(f"{PREFIX}{ident['tag']}-") and entry.endswith(".tmp"):
+                _unlink(os.path.join(directory, entry))
         self.file = open(self.tmp, "wb")
         self.index, self.failed = {}, None
 
