@@ -190,3 +190,55 @@ def test_the_roots_shared_modules_lean_on_no_room_above_the_engine(name, path):
     serving module that reads the config never climbs back up through the root to serving."""
     inside = {i for i in imports(name, path) if i.startswith(("turbospark_wsgi.serving", "turbospark_wsgi.http"))}
     assert not inside, f"{name} imports {sorted(inside)}"
+
+
+def _defined(tree, in_classes):
+    """Names of the functions a module defines: those in its classes (`in_classes`), or all of them."""
+    nodes = [n for c in ast.walk(tree) if isinstance(c, ast.ClassDef) for n in c.body] if in_classes else ast.walk(tree)
+    return {n.name for n in nodes if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+
+
+def _library_names(modules):
+    """What the classes of the libraries `modules` import (the standard library's, third parties')
+    have: the methods a serving module may call on their objects (a logger's `error`)."""
+    import builtins
+    import importlib
+    names = {a for t in vars(builtins).values() if isinstance(t, type) for a in dir(t)}
+    for lib in sorted({i for name, path in modules for i in imports(name, path) if not i.startswith("turbospark_wsgi")}):
+        try:
+            module = importlib.import_module(lib)
+        except Exception:       # noqa: BLE001 - `from x import name` names no module; an extra not installed
+            continue
+        names |= {a for v in vars(module).values() if isinstance(v, type) for a in dir(v)}
+    return names
+
+
+def http_only_methods():
+    """{method name: the http/ modules whose classes define it}, for the names no module outside
+    http/ defines as a function or method, and no class of a library serving/ imports has."""
+    elsewhere = _library_names([(n, p) for n, p in ALL if top(n) == "serving"])
+    http = {}
+    for name, path in ALL:
+        tree = ast.parse(path.read_text())
+        if top(name) == "http":
+            for method in _defined(tree, in_classes=True):
+                http.setdefault(method, []).append(name)
+        else:
+            elsewhere |= _defined(tree, in_classes=False)
+    return {m: where for m, where in http.items() if m not in elsewhere}
+
+
+def test_serving_calls_no_method_only_http_defines():
+    """An object of http/ handed into serving/ shows in no import, yet serving then leans on it:
+    a serving module calling `x.name(...)`, where `name` is a method only classes under http/
+    define, is working on an HTTP object. Hand serving plain data instead (DESIGN §2)."""
+    only_http = http_only_methods()
+    found = []
+    for name, path in ALL:
+        if top(name) != "serving":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in only_http:
+                found.append(f"{name}:{node.lineno} calls .{node.func.attr}(), a method only "
+                             f"{', '.join(only_http[node.func.attr])} defines")
+    assert not found, "; ".join(found)

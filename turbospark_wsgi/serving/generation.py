@@ -307,7 +307,7 @@ class Generation:
                  time_limit=0.0, on_close=()):
         self.model_id, self.request_id = engine.name, req.request_id
         self._req = req                           # what it asks: echo, logprobs, its chat part, its client
-        self.plan = plan                          # a chat request's OutputPlan (its `parser()` reads the text)
+        self.plan = plan                          # a chat request's OutputPlan: how the HTTP side reads the text
         self.prompt_tokens = len(ids)
         self.finish_reason = None
         self.enqueued_at, self.started_at = time.monotonic(), None

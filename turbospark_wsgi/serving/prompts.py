@@ -11,6 +11,7 @@ import time
 
 from ..errors import ContextLengthExceeded, InvalidRequest, Overloaded
 from . import compute
+from .chat_plan import plan_output
 
 
 class Prompts:
@@ -22,7 +23,7 @@ class Prompts:
 
     def prepare(self, engine, req):
         """(prompt ids, sampling params, compiled grammar or None, the chat's OutputPlan or None)."""
-        plan = req.chat.plan(template_source(engine)) if req.chat is not None else None
+        plan = chat_plan(engine, req)
         if req.chat is not None and req.chat.thinking_budget is None:
             # NOTE(budget): an effort's budget, else the model's default (TURBOSPARK_REASONING_BUDGET[S])
             req.chat.thinking_budget = self.config.reasoning_budget_for(req.chat.reasoning_effort,
@@ -157,6 +158,11 @@ def keep_last(ids, n, head=0, tail=0):
 def template_source(engine):
     """The chat template source of a generating engine."""
     return engine.template.source
+
+
+def chat_plan(engine, req):
+    """The OutputPlan of a chat request against the engine's template; None for a raw prompt."""
+    return plan_output(template_source(engine), req.chat) if req.chat is not None else None
 
 
 def encode_text(engine, req):

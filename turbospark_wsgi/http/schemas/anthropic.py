@@ -1,12 +1,12 @@
 """POST /v1/messages (Anthropic Messages API): the request body checked and turned into a GenerationRequest."""
 import json
 
+from ...serving.chat_plan import ChatPart
 from ...serving.service import GenerationRequest
 from . import checks, common
 from .chat_messages import function_spec
 from .checks import fail
 from .document import encodable_value
-from .tool_prompt import ChatPart
 
 
 def parse_messages_request(doc, count_only=False):

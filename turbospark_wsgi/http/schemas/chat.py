@@ -1,10 +1,10 @@
 """POST /v1/chat/completions: the request body checked and turned into a GenerationRequest."""
+from ...serving.chat_plan import ChatPart
 from ...serving.service import GenerationRequest
 from . import checks, common
 from .chat_grammar import response_format_grammar
 from .chat_messages import parse_messages, parse_tool_choice, parse_tools
 from .checks import fail
-from .tool_prompt import ChatPart
 
 REASONING_FORMATS = ("auto", "parsed", "deepseek", "none")
 

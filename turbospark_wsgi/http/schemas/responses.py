@@ -6,6 +6,7 @@ Every check here needs no model, so it runs before one is resolved.
 from dataclasses import dataclass, field
 
 from ...engine import SamplingParams
+from ...serving.chat_plan import ChatPart
 from ...serving.service import GenerationRequest
 from . import checks, common
 from .chat_grammar import json_grammar
@@ -13,7 +14,6 @@ from .chat_messages import function_spec
 from .checks import fail
 from .json_schema import check_schema
 from .responses_input import parse_input, with_tool_names
-from .tool_prompt import ChatPart
 
 SUMMARIES = ("auto", "concise", "detailed")
 VERBOSITIES = ("low", "medium", "high")
