@@ -95,13 +95,36 @@ def test_engine_and_resources_boundaries(name, path):
     assert not any(top(i) == "tools" or i.startswith("tests") for i in imports(name, path)), name
 
 
-def test_schemas_name_only_sampling_params_from_the_engine():
+def test_schemas_import_nothing_from_the_engine():
+    """The schemas carry the request's checked fields (serving.params.Sampling); the engine's params
+    are built at admission, once the prompt's token budget is known."""
     for name, path in ALL:
-        if not name.startswith(("http.schemas", "http.sse")):
-            continue
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module and node.module.endswith("engine"):
-                assert [a.name for a in node.names] == ["SamplingParams"], name
+        if name.startswith(("http.schemas", "http.sse")):
+            engine = {i for i in imports(name, path) if i.startswith("turbospark_wsgi.engine")}
+            assert not engine, f"{name} imports {sorted(engine)}"
+
+
+def _name(node):
+    return node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else ""
+
+
+def _calls(name, path, called, first_arg=None):
+    """'module:line' of each call to a function named `called` (with a first argument whose name
+    ends in `first_arg`)."""
+    return [f"{name}:{node.lineno}" for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.Call) and _name(node.func) == called
+            and (first_arg is None or node.args and _name(node.args[0]).endswith(first_arg))]
+
+
+def test_a_request_becomes_sampling_params_in_one_place():
+    """One construction, after the token budget is known (vLLM's `to_sampling_params`): the schemas
+    check the fields, serving/params.py builds the engine's params, and what differs per choice (its
+    seed, its constraint) goes beside them to the run, never in a rebuilt copy. The engine, which
+    defines the type, also builds the empty params of a prompt it only scores."""
+    built = [site for name, path in ALL if top(name) != "engine" for site in _calls(name, path, "SamplingParams")]
+    assert len(built) == 1 and built[0].startswith("serving.params:"), built
+    rebuilt = [site for name, path in ALL for site in _calls(name, path, "replace", first_arg="params")]
+    assert not rebuilt, rebuilt
 
 
 def test_the_package_import_is_light():

@@ -1,17 +1,18 @@
 """What a generation request becomes before it queues: prompt ids within the model's context and
-the server's caps, sampling params with their token budget, and the chat's output plan with its
-grammar compiled aside. Each step refuses with an ApiError that names the request field at fault.
+the server's caps, its sampling params (built once the token budget is known), and the chat's
+output plan with its grammar compiled aside. Each step refuses with an ApiError that names the
+request field at fault.
 
     prompts = Prompts(config)
     prompts.check_without_model(req, queue)                 # caps that need no model
     ids, params, grammar, plan = prompts.prepare(engine, req)
 """
-import dataclasses
 import time
 
 from ..errors import ContextLengthExceeded, InvalidRequest, Overloaded
 from . import compute
 from .chat_plan import plan_output
+from .params import logprobs_wanted, sampling_params
 
 
 class Prompts:
@@ -29,8 +30,7 @@ class Prompts:
             req.chat.thinking_budget = self.config.reasoning_budget_for(req.chat.reasoning_effort,
                                                                       req.model or self.config.model)
         ids = self.ids(engine, req, plan)
-        params = dataclasses.replace(req.params, max_new_tokens=self.budget(engine, req, len(ids)),
-                                     logprobs=_logprobs_wanted(req))
+        params = sampling_params(req.sampling, self.budget(engine, req, len(ids)), logprobs_wanted(req))
         self.check_logit_bias(engine, params)
         return ids, params, self.grammar(engine, plan), plan
 
@@ -177,12 +177,6 @@ def check_ids(vocab, ids, param, where=""):
     if bad is not None:
         raise InvalidRequest(f"{where + ': ' if where else ''}token id {bad} is outside the vocabulary "
                              f"(0..{vocab - 1})", param=param)
-
-
-def _logprobs_wanted(req):
-    if req.logprobs is not None:
-        return req.logprobs
-    return 0 if (req.best_of or 0) > req.n else None      # best_of ranks by cumulative logprob
 
 
 def _timed(begun, fn, *args):

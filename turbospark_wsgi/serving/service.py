@@ -13,7 +13,7 @@ import threading
 from dataclasses import dataclass, field
 
 from .. import metrics
-from ..engine import QueryTooLong, SamplingParams
+from ..engine import QueryTooLong
 from ..errors import ApiError, InvalidRequest
 from . import compute, priority
 from .adapters import LoraAdmin
@@ -22,6 +22,7 @@ from .chat_plan import ChatPart
 from .generation import Generation, PromptBatch
 from .guardrails import Guardrails
 from .limits import Limits
+from .params import Sampling
 from .prompts import Prompts, chat_plan, check_ids, encode_text, keep_last, template_source, truncation
 from .queue import LockQueue
 from .registry import Registry
@@ -42,7 +43,7 @@ class GenerationRequest:
     prompts: list | None = None             # completions: several prompts, each text or token ids
     add_special: bool = True                # raw text: BOS where the model's own rule puts one; False: never
     max_tokens: int | None = 16             # None: up to the end of the context
-    params: SamplingParams = field(default_factory=SamplingParams)
+    sampling: Sampling = field(default_factory=Sampling)    # the engine's params come at admission (params.py)
     stream: bool = False
     include_usage: bool = False             # stream_options.include_usage
     echo: bool = False                      # completions: each choice starts with the prompt text
