@@ -107,11 +107,11 @@ class FakeEngine:
         yield Finish("length", prompt_tokens=n)
 
     def generate(self, prompt_ids, params, should_stop=None, client="", cache_salt="", background=False,
-                 adapter=None):
+                 adapter=None, constraint=None, choice=0):
         if not prompt_ids or len(prompt_ids) + 1 > self.max_context:
             raise ValueError("bad prompt length")
         self.runs.append(SimpleNamespace(ids=list(prompt_ids), params=params, client=client, cache_salt=cache_salt,
-                                         background=background,
+                                         background=background, constraint=constraint, choice=choice,
                                          thread=threading.current_thread()))
         return self._run(list(prompt_ids), params, should_stop or (lambda: False))
 

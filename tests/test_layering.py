@@ -95,13 +95,36 @@ def test_engine_and_resources_boundaries(name, path):
     assert not any(top(i) == "tools" or i.startswith("tests") for i in imports(name, path)), name
 
 
-def test_schemas_name_only_sampling_params_from_the_engine():
+def test_schemas_import_nothing_from_the_engine():
+    """The schemas carry the request's checked fields (serving.params.Sampling); the engine's params
+    are built at admission, once the prompt's token budget is known."""
     for name, path in ALL:
-        if not name.startswith(("http.schemas", "http.sse")):
-            continue
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module and node.module.endswith("engine"):
-                assert [a.name for a in node.names] == ["SamplingParams"], name
+        if name.startswith(("http.schemas", "http.sse")):
+            engine = {i for i in imports(name, path) if i.startswith("turbospark_wsgi.engine")}
+            assert not engine, f"{name} imports {sorted(engine)}"
+
+
+def _name(node):
+    return node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else ""
+
+
+def _calls(name, path, called, first_arg=None):
+    """'module:line' of each call to a function named `called` (with a first argument whose name
+    ends in `first_arg`)."""
+    return [f"{name}:{node.lineno}" for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.Call) and _name(node.func) == called
+            and (first_arg is None or node.args and _name(node.args[0]).endswith(first_arg))]
+
+
+def test_a_request_becomes_sampling_params_in_one_place():
+    """One construction, after the token budget is known (vLLM's `to_sampling_params`): the schemas
+    check the fields, serving/params.py builds the engine's params, and what differs per choice (its
+    seed, its constraint) goes beside them to the run, never in a rebuilt copy. The engine, which
+    defines the type, also builds the empty params of a prompt it only scores."""
+    built = [site for name, path in ALL if top(name) != "engine" for site in _calls(name, path, "SamplingParams")]
+    assert len(built) == 1 and built[0].startswith("serving.params:"), built
+    rebuilt = [site for name, path in ALL for site in _calls(name, path, "replace", first_arg="params")]
+    assert not rebuilt, rebuilt
 
 
 def test_the_package_import_is_light():
@@ -190,3 +213,55 @@ def test_the_roots_shared_modules_lean_on_no_room_above_the_engine(name, path):
     serving module that reads the config never climbs back up through the root to serving."""
     inside = {i for i in imports(name, path) if i.startswith(("turbospark_wsgi.serving", "turbospark_wsgi.http"))}
     assert not inside, f"{name} imports {sorted(inside)}"
+
+
+def _defined(tree, in_classes):
+    """Names of the functions a module defines: those in its classes (`in_classes`), or all of them."""
+    nodes = [n for c in ast.walk(tree) if isinstance(c, ast.ClassDef) for n in c.body] if in_classes else ast.walk(tree)
+    return {n.name for n in nodes if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+
+
+def _library_names(modules):
+    """What the classes of the libraries `modules` import (the standard library's, third parties')
+    have: the methods a serving module may call on their objects (a logger's `error`)."""
+    import builtins
+    import importlib
+    names = {a for t in vars(builtins).values() if isinstance(t, type) for a in dir(t)}
+    for lib in sorted({i for name, path in modules for i in imports(name, path) if not i.startswith("turbospark_wsgi")}):
+        try:
+            module = importlib.import_module(lib)
+        except Exception:       # noqa: BLE001 - `from x import name` names no module; an extra not installed
+            continue
+        names |= {a for v in vars(module).values() if isinstance(v, type) for a in dir(v)}
+    return names
+
+
+def http_only_methods():
+    """{method name: the http/ modules whose classes define it}, for the names no module outside
+    http/ defines as a function or method, and no class of a library serving/ imports has."""
+    elsewhere = _library_names([(n, p) for n, p in ALL if top(n) == "serving"])
+    http = {}
+    for name, path in ALL:
+        tree = ast.parse(path.read_text())
+        if top(name) == "http":
+            for method in _defined(tree, in_classes=True):
+                http.setdefault(method, []).append(name)
+        else:
+            elsewhere |= _defined(tree, in_classes=False)
+    return {m: where for m, where in http.items() if m not in elsewhere}
+
+
+def test_serving_calls_no_method_only_http_defines():
+    """An object of http/ handed into serving/ shows in no import, yet serving then leans on it:
+    a serving module calling `x.name(...)`, where `name` is a method only classes under http/
+    define, is working on an HTTP object. Hand serving plain data instead (DESIGN §2)."""
+    only_http = http_only_methods()
+    found = []
+    for name, path in ALL:
+        if top(name) != "serving":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in only_http:
+                found.append(f"{name}:{node.lineno} calls .{node.func.attr}(), a method only "
+                             f"{', '.join(only_http[node.func.attr])} defines")
+    assert not found, "; ".join(found)

@@ -3,8 +3,9 @@ import json
 
 import pytest
 
-from turbospark_wsgi.http.parsers import CallArgs, OutputParser, ToolCall, collect, detect_family, parse_output
+from turbospark_wsgi.http.parsers import CallArgs, OutputParser, ToolCall, collect, parse_output
 from turbospark_wsgi.http.parsers.tool_calls import _encodable, calls_from_json
+from turbospark_wsgi.serving.chat_plan import detect_family
 
 HERMES_TWO = ('I will check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
               '</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {"tz": "CET"}}\n</tool_call>')

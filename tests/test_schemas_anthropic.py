@@ -60,7 +60,7 @@ def test_conversation_maps_to_template_messages():
         {"role": "tool", "tool_call_id": "toolu_1", "content": "5C"},
         {"role": "user", "content": "thanks"},
     ]
-    assert req.max_tokens == 4096 and req.params.stop == ("END",) and req.params.top_k == 5
+    assert req.max_tokens == 4096 and req.sampling.stop == ("END",) and req.sampling.top_k == 5
     assert req.chat.tool_choice == "required" and req.chat.parallel_tool_calls is False
     assert req.chat.tools[0]["function"]["parameters"] == TOOL["input_schema"]
     assert req.chat.template_kwargs == {"enable_thinking": True} and req.chat.thinking_budget == 2048

@@ -72,7 +72,7 @@ def test_content_parts_and_roles_are_normalized():
          "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "f", "arguments": {"x": 1}}}]},
         {"role": "tool", "content": "42", "tool_call_id": "call_1", "name": "f"},
     ]
-    assert req.max_tokens == 7 and req.params.stop == ("END",) and req.params.seed == 4
+    assert req.max_tokens == 7 and req.sampling.stop == ("END",) and req.sampling.seed == 4
 
 
 def test_defaults_and_options():

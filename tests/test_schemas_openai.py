@@ -3,13 +3,21 @@ import math
 
 import pytest
 
+from turbospark_wsgi.config import Config
 from turbospark_wsgi.errors import InvalidRequest
 from turbospark_wsgi.http.schemas import openai
 from turbospark_wsgi.serving.generation import Finished, KeepAlive, TextDelta, Usage
+from turbospark_wsgi.serving.prompts import Prompts
 
 
 def parse(**body):
     return openai.parse_completion({"model": "m", **body})
+
+
+def admitted(req):
+    """The SamplingParams admission builds for `req` (serving/prompts.py), on a fake engine."""
+    from tests.conftest import FakeEngine
+    return Prompts(Config(load_default=False)).prepare(FakeEngine(max_context=1000), req)[1]
 
 
 # ---- the original server's unit-test cases ----------------------------------------------------
@@ -64,7 +72,7 @@ def test_bad_add_special_is_refused(body, param):
 
 def test_max_tokens_defaults_to_sixteen():
     req, _ = parse(prompt="hi")
-    assert req.max_tokens == 16 and req.params.max_new_tokens == 16
+    assert req.max_tokens == 16 and admitted(req).max_new_tokens == 16
 
 
 @pytest.mark.parametrize("value", [0, -1])
@@ -76,7 +84,7 @@ def test_zero_or_negative_max_tokens_is_refused(value):
 
 def test_max_tokens_is_read_when_present():
     req, _ = parse(prompt="hi", max_tokens=5)
-    assert req.params.max_new_tokens == 5
+    assert admitted(req).max_new_tokens == 5
 
 
 def test_a_plain_request_has_no_warnings():
@@ -109,7 +117,7 @@ def test_logprobs_n_best_of_and_max_tokens_bounds(fields, param):
 
 def test_max_tokens_zero_is_allowed_with_echo():
     req, _ = parse(prompt="hi", echo=True, max_tokens=0, logprobs=1)
-    assert req.max_tokens == 0 and req.params.max_new_tokens == 0
+    assert req.max_tokens == 0 and admitted(req).max_new_tokens == 0
 
 
 # ---- prompt shapes ---------------------------------------------------------------------------
@@ -173,21 +181,21 @@ def test_sampling_fields_reach_sampling_params():
     req, _ = parse(prompt="hi", temperature=0, top_p=0.9, top_k=40, min_p=0.05, presence_penalty=0.5,
                    frequency_penalty=-0.5, repetition_penalty=1.1, seed=-1, logit_bias={"7": -100},
                    stop=["\n", "", "\n"])
-    p = req.params
+    p = admitted(req)
     assert (p.temperature, p.top_p, p.top_k, p.min_p) == (0.0, 0.9, 40, 0.05)
     assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (0.5, -0.5, 1.1)
     assert p.seed == 2 ** 64 - 1 and p.logit_bias == {7: -100.0} and p.stop == ("\n",)
-    assert not p.ignore_eos and parse(prompt="hi", ignore_eos=True)[0].params.ignore_eos
+    assert not p.ignore_eos and admitted(parse(prompt="hi", ignore_eos=True)[0]).ignore_eos
 
 
 def test_top_k_minus_one_and_top_p_zero_mean_off_and_greedy():
-    p = parse(prompt="hi", top_k=-1, top_p=0)[0].params
+    p = admitted(parse(prompt="hi", top_k=-1, top_p=0)[0])
     assert p.top_k == 0 and p.top_p == 1.0 and p.temperature == 0.0
 
 
 def test_stop_may_be_a_string_and_unknown_fields_are_tolerated():
     req, _ = parse(prompt="hi", stop="END", user="u1", whatever={"x": [1]})
-    assert req.params.stop == ("END",)
+    assert admitted(req).stop == ("END",)
 
 
 def test_model_is_optional_and_include_usage_needs_stream():

@@ -10,7 +10,7 @@ import pytest
 from turbospark_wsgi.serving import compute
 from turbospark_wsgi.serving.cancel import CancelToken
 from turbospark_wsgi.config import Config
-from turbospark_wsgi.engine import SamplingParams
+from turbospark_wsgi.serving.params import Sampling
 from turbospark_wsgi.serving.registry import Registry
 from turbospark_wsgi.errors import (ContextLengthExceeded, EngineError, InvalidRequest, ModelLoadError,
                                     ModelNotFound, Overloaded)
@@ -193,7 +193,7 @@ def test_token_ids_and_logit_bias_are_checked_against_the_vocabulary(harness):
         harness.service.run(request(prompt=None, prompt_ids=[5, 999]), CancelToken())
     assert e.value.param == "prompt" and "999" in e.value.message
     with pytest.raises(InvalidRequest) as e:
-        harness.service.run(request(params=SamplingParams(logit_bias={5000: 1.0})), CancelToken())
+        harness.service.run(request(sampling=Sampling(logit_bias={5000: 1.0})), CancelToken())
     assert e.value.param == "logit_bias"
 
 
@@ -271,7 +271,7 @@ def test_cancel_mid_run_ends_without_finished(harness):
 
 def test_stop_strings_and_finish_text(harness):
     harness.engine("fake", reply="Hello world")
-    text, finished = collect(harness.service.run(request(params=SamplingParams(stop=("wor",))), CancelToken()))
+    text, finished = collect(harness.service.run(request(sampling=Sampling(stop=("wor",))), CancelToken()))
     assert finished.stop_string == "wor" and finished.reason == "stop" and "wor" not in text
 
 

@@ -44,10 +44,9 @@ def timed(fn, *args):
 
 
 def generate(engine, prompt, grammar, n):
-    params = SamplingParams(max_new_tokens=n, temperature=0.8, seed=0, ignore_eos=False,
-                            constraint=grammar.start() if grammar else None)
+    params = SamplingParams(max_new_tokens=n, temperature=0.8, seed=0, ignore_eos=False)
     start, ids, times = None, [], []
-    for event in engine.generate(prompt, params):
+    for event in engine.generate(prompt, params, constraint=grammar.start() if grammar else None):
         now = time.perf_counter()
         if isinstance(event, Token):
             if start is not None:

@@ -200,7 +200,8 @@ def resolve_model(name, directory):
 # ---- check ----------------------------------------------------------------------------------------
 
 def cmd_check(args):
-    from .engine import SamplingParams, load_engine
+    from .engine import load_engine
+    from .serving.params import Sampling, sampling_params
 
     options = Config.from_env().engine_options()
     engine = load_engine(resolve_model(args.model, models_dir(args)), options, device=args.device)
@@ -208,7 +209,7 @@ def cmd_check(args):
         prompt_ids = engine.apply_chat_template([{"role": "user", "content": args.prompt}])
     else:
         prompt_ids = engine.encode(args.prompt, add_bos=engine.add_bos)
-    params = SamplingParams(max_new_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+    params = sampling_params(Sampling(temperature=args.temperature, seed=args.seed), args.max_tokens)
     result = run_check(engine, prompt_ids, params)
     if args.json:
         print(json.dumps(result))

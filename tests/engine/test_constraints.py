@@ -30,9 +30,9 @@ def engine(tmp_path_factory):
 
 
 def run(engine, grammar, seed, **sampling):
-    params = SamplingParams(max_new_tokens=80, seed=seed, constraint=grammar.start(), **sampling)
+    params = SamplingParams(max_new_tokens=80, seed=seed, **sampling)
     prompt = engine.encode("json:", add_bos=True)
-    return [e.id for e in engine.generate(prompt, params) if isinstance(e, Token)]
+    return [e.id for e in engine.generate(prompt, params, constraint=grammar.start()) if isinstance(e, Token)]
 
 
 def test_the_first_mask_allows_only_an_object_start(engine):
@@ -55,7 +55,7 @@ def test_the_sampler_never_draws_a_masked_token(engine):
     grammar = engine.compile_grammar(GRAMMAR)
     rng = np.random.default_rng(0)
     constraint = grammar.start()
-    sample = Sampler(SamplingParams(temperature=2.0, seed=1, constraint=constraint, logprobs=0))
+    sample = Sampler(SamplingParams(temperature=2.0, seed=1, logprobs=0), constraint=constraint)
     for _ in range(12):
         mask = constraint.allowed_mask()
         token, logprob, _ = sample(rng.standard_normal(engine.config.vocab_size).astype(np.float32) * 5)
@@ -173,9 +173,9 @@ def test_a_budget_before_a_grammar_reasons_first_then_the_grammar_governs():
 def test_thinking_budget_on_a_real_run(engine):
     open_ids, close_ids = engine.encode("<think>", add_bos=False), engine.encode("</think>", add_bos=False)
     prompt = engine.encode("Hello", add_bos=True) + open_ids
-    params = SamplingParams(max_new_tokens=12, temperature=1.0, seed=3, ignore_eos=True,
-                            constraint=engine.thinking_budget(4, prompt))
-    out = [e.id for e in engine.generate(prompt, params) if isinstance(e, Token)]
+    params = SamplingParams(max_new_tokens=12, temperature=1.0, seed=3, ignore_eos=True)
+    out = [e.id for e in engine.generate(prompt, params, constraint=engine.thinking_budget(4, prompt))
+           if isinstance(e, Token)]
     assert out[4:4 + len(close_ids)] == close_ids and len(out) == 12
 
 

@@ -9,6 +9,7 @@ from turbospark_wsgi.serving.cancel import CancelToken
 from turbospark_wsgi.config import Config
 from turbospark_wsgi.engine import Finish, FinishReason, Paused, Prefill, SamplingParams, Token, load_engine
 from turbospark_wsgi.serving.generation import TextDelta
+from turbospark_wsgi.serving.params import Sampling
 from turbospark_wsgi.serving.service import GenerationRequest, Service
 
 TEXTS = ["Once upon a time", "The little dog", "One day, Lily went to the park and", "Tom", "A cat sat",
@@ -163,8 +164,8 @@ def test_a_sixteen_stream_burst_from_one_key_delays_another_keys_first_token_by_
     prompt = engine.encode("Once upon a time", add_bos=True)
 
     def start(client):
-        params = SamplingParams(temperature=0, ignore_eos=True)
-        return service.run(GenerationRequest(prompt_ids=prompt, max_tokens=96, params=params, client=client,
+        sampling = Sampling(temperature=0, ignore_eos=True)
+        return service.run(GenerationRequest(prompt_ids=prompt, max_tokens=96, sampling=sampling, client=client,
                                              stream=True), CancelToken())
 
     texts = {}

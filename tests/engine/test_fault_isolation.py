@@ -48,9 +48,10 @@ class Poison:
         return False
 
 
-def run_batch(engine, prompts, params_list):
+def run_batch(engine, prompts, params_list, constraints=None):
     """Round-robin over concurrent runs; {index: tokens} for the finished, {index: error} for the failed."""
-    gens = [engine.generate(p, params) for p, params in zip(prompts, params_list)]
+    constraints = constraints or [None] * len(prompts)
+    gens = [engine.generate(p, params, constraint=c) for p, params, c in zip(prompts, params_list, constraints)]
     outs, errors, live = [[] for _ in gens], {}, set(range(len(gens)))
     while live:
         for i in sorted(live):
@@ -82,9 +83,9 @@ def greedy(n=24, **kw):
 def test_a_failing_sequence_ends_alone_and_its_neighbours_equal_their_solo_runs(engine, poisoned_at):
     prompts = prompts_for(engine)
     solo = [run_alone(engine, p, greedy()) for p in prompts]
-    params = [greedy() for _ in prompts]
-    params[poisoned_at] = greedy(constraint=Poison(after=5))
-    outs, errors = run_batch(engine, prompts, params)
+    constraints = [None] * len(prompts)
+    constraints[poisoned_at] = Poison(after=5)
+    outs, errors = run_batch(engine, prompts, [greedy() for _ in prompts], constraints)
     assert list(errors) == [poisoned_at] and "grammar engine failed" in str(errors[poisoned_at])
     for i, (got, want) in enumerate(zip(outs, solo)):
         if i != poisoned_at:

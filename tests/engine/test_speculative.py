@@ -32,8 +32,9 @@ def prompts_for(engine, n=len(TEXTS)):
     return [engine.encode(t, add_bos=True) for t in TEXTS[:n]]
 
 
-def run(engine, prompt, params, should_stop=None):
-    events = [e for e in engine.generate(prompt, params, should_stop) if isinstance(e, (Token, Finish))]
+def run(engine, prompt, params, should_stop=None, constraint=None):
+    events = [e for e in engine.generate(prompt, params, should_stop, constraint=constraint)
+              if isinstance(e, (Token, Finish))]
     return [(e.id, e.text, e.logprob, e.top_logprobs) for e in events[:-1]], events[-1]
 
 
@@ -172,10 +173,9 @@ def test_proposals_the_grammar_forbids_are_cut(request, tiny_gguf):
         return out
     spec.scheduler._proposals = spy
     for temperature in (0.0, 0.9):
-        want = run(plain, prompt, SamplingParams(temperature=temperature, seed=3, max_new_tokens=30,
-                                                 constraint=plain.compile_grammar(grammar).start()))
-        got = run(spec, prompt, SamplingParams(temperature=temperature, seed=3, max_new_tokens=30,
-                                               constraint=spec.compile_grammar(grammar).start()))
+        params = SamplingParams(temperature=temperature, seed=3, max_new_tokens=30)
+        want = run(plain, prompt, params, constraint=plain.compile_grammar(grammar).start())
+        got = run(spec, prompt, params, constraint=spec.compile_grammar(grammar).start())
         assert got[0] == want[0] and finish_key(got[1]) == finish_key(want[1])
         assert set(spec.decode([t for t, *_ in got[0]])) <= set("ab ")
     c_id = spec.encode("c", add_bos=False)[0]

@@ -122,6 +122,6 @@ def test_thinking_budget_reaches_the_run_as_a_constraint(harness):
         return seen.append((budget, list(ids))) or "budget-constraint" if budget is not None else None
     engine.thinking_budget = thinking_budget
     post(harness, {"max_tokens": 200, "messages": USER, "thinking": {"type": "enabled", "budget_tokens": 64}})
-    assert seen == [(64, engine.runs[-1].ids)] and engine.runs[-1].params.constraint == "budget-constraint"
+    assert seen == [(64, engine.runs[-1].ids)] and engine.runs[-1].constraint == "budget-constraint"
     post(harness, {"max_tokens": 200, "messages": USER})
-    assert len(seen) == 1 and engine.runs[-1].params.constraint is None
+    assert len(seen) == 1 and engine.runs[-1].constraint is None

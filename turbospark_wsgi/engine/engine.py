@@ -162,28 +162,32 @@ class Engine:
         return self.tokenizer.encode(text, add_bos=self.tokenizer.add_bos, plain=plain)
 
     def compile_grammar(self, grammar):
-        """A compiled grammar (`.start()` -> Constraint for SamplingParams.constraint); ValueError
+        """A compiled grammar (`.start()` -> a Constraint, a run's `constraint`); ValueError
         naming the problem when the spec (llguidance JSON grammar format) cannot compile."""
         return self._constraints.compile(grammar)
 
     def thinking_budget(self, budget, prompt_ids, open_tag="<think>", close_tag="</think>", then=None):
-        """A constraint (SamplingParams.constraint) that closes the think tag after `budget`
+        """A constraint (a run's `constraint`) that closes the think tag after `budget`
         reasoning tokens of the run that continues `prompt_ids`; `then`: a grammar's Constraint that
         governs the reply after the think block (ThinkThenGrammar)."""
         budget = ThinkingBudget(budget, self.encode(open_tag, add_bos=False), self.encode(close_tag, add_bos=False),
                                 prompt_ids, self.config.vocab_size)
         return budget if then is None else ThinkThenGrammar(budget, then)
 
-    def generate(self, prompt_ids, params, should_stop=None, client="", cache_salt="", background=False, adapter=None):
+    def generate(self, prompt_ids, params, should_stop=None, client="", cache_salt="", background=False, adapter=None,
+                 constraint=None, choice=0):
         """Events for one run (see engine/__init__). Runs that are alive at the same time share
         decode steps, the batch's rows shared fairly between `client`s; one `next()` runs at most
         one step when no event is waiting. Only runs with the same `cache_salt` (and `adapter`)
         share cached prompt prefixes. A `background` run (a batch line) steps only where no other
         run needs the step (see scheduler.Scheduler._batch). `adapter`: a LoraAdapter from
-        `load_adapter` the run adds to the model, or None; runs of any adapters share steps."""
+        `load_adapter` the run adds to the model, or None; runs of any adapters share steps.
+        `constraint`: this run's (compile_grammar's `.start()`, thinking_budget), or None; `choice`:
+        which of its request's runs this is (n, best_of), so a seeded run draws from seed + choice."""
         prompt_ids = [int(t) for t in prompt_ids]
         self._check_prompt(prompt_ids)
-        return self._events(self.scheduler.add(prompt_ids, params, should_stop, client, cache_salt, background, adapter))
+        return self._events(self.scheduler.add(prompt_ids, params, should_stop, client, cache_salt, background, adapter,
+                                               constraint, choice))
 
     def score(self, prompt_ids, top=0, should_stop=None, client="", cache_salt="", background=False, adapter=None):
         """Events that score the prompt: Prefill progress and Scores (the log-probability of every

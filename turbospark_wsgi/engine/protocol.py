@@ -56,19 +56,22 @@ class TextEngine(Protocol):
                             template_kwargs=None) -> list[int]: ...
 
     def compile_grammar(self, grammar) -> Any:
-        """A compiled grammar (`.start()` -> a SamplingParams.constraint); ValueError when it cannot compile."""
+        """A compiled grammar (`.start()` -> a run's `constraint`); ValueError when it cannot compile."""
 
     def thinking_budget(self, budget: int, prompt_ids: Sequence[int], open_tag: str = "<think>",
                         close_tag: str = "</think>", then: Any = None) -> Any:
-        """A SamplingParams.constraint closing the think tag after `budget` reasoning tokens (None:
+        """A run's `constraint` closing the think tag after `budget` reasoning tokens (None:
         nothing forced, the reasoning tokens only counted, in `.thought`)."""
 
     def generate(self, prompt_ids: Sequence[int], params, should_stop=None, client: str = "",
-                 cache_salt: str = "", background: bool = False, adapter: Any = None) -> Iterator:
+                 cache_salt: str = "", background: bool = False, adapter: Any = None, constraint: Any = None,
+                 choice: int = 0) -> Iterator:
         """Prefill progress, Tokens (Paused while it waits for a row of the batch), then one Finish
         (engine.events). Only runs with the same `cache_salt` share cached prompt prefixes; a
         `background` run takes only the rows and steps the others leave; `adapter`: a LoRA adapter
-        of this model for this run (None: the base)."""
+        of this model for this run (None: the base). `params` are the request's; `constraint` (or
+        None) and `choice` (its index among the request's runs: a seeded run draws from seed +
+        choice) are this run's own."""
 
     def score(self, prompt_ids: Sequence[int], top: int = 0, should_stop=None, client: str = "",
               cache_salt: str = "", background: bool = False, adapter: Any = None) -> Iterator:

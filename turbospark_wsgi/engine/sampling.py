@@ -2,8 +2,12 @@
 
 Order per step: logit_bias, repetition penalty (prompt + output), presence/frequency penalties
 (output only), then temperature 0 -> argmax, else temperature, top_k, min_p, top_p and a draw from
-the request's own RNG. A constraint (structured output) masks disallowed tokens to -inf just before the
+the run's own RNG. A constraint (structured output) masks disallowed tokens to -inf just before the
 choice and is advanced with the chosen token. Log-probabilities are reported from the model's raw logits.
+
+SamplingParams are what a request asks of every run; what differs between a request's runs (its
+choices) belongs to each run's Sampler: the constraint, which holds the run's grammar state, and the
+choice's index, which moves a seeded run's RNG to seed + index.
 """
 from dataclasses import dataclass, field
 
@@ -21,12 +25,11 @@ class SamplingParams:
     presence_penalty: float = 0.0       # OpenAI style, over output tokens
     frequency_penalty: float = 0.0
     logit_bias: dict = field(default_factory=dict)   # token id -> bias added to the logit
-    seed: int | None = None             # None: fresh entropy
+    seed: int | None = None             # None: fresh entropy; choice i of a request draws from seed + i
     logprobs: int | None = None         # None: none; N >= 0: chosen token's logprob plus the top N
     stop: tuple = ()                    # stop strings, matched on text
     stop_token_ids: tuple = ()          # extra ids that end the run (besides the model's eos/end-of-turn)
     ignore_eos: bool = False
-    constraint: object = None           # engine.constraints.Constraint or ThinkingBudget (allowed_mask/advance/is_done) or None
     speculative: bool = True            # proposals may run ahead (as the engine's setting allows); output is the same
 
 
@@ -51,25 +54,32 @@ def top_n(logprobs, n):
     return [(int(i), float(logprobs[i])) for i in idx]
 
 
-class Sampler:
-    """Per-request sampler: owns its RNG and the token counts the penalties need."""
+def choice_seed(seed, choice):
+    """The RNG seed of a request's choice `choice` (n, best_of): seed + choice in 64 bits, so the
+    choices differ and each is reproducible; None stays fresh entropy."""
+    return None if seed is None else (seed + choice) % 2 ** 64
 
-    def __init__(self, params, prompt_ids=()):
-        self.params = params
-        self.rng = np.random.default_rng(params.seed)
+
+class Sampler:
+    """Per-run sampler: owns its RNG, its constraint (engine.constraints.Constraint or ThinkingBudget:
+    allowed_mask/advance/is_done, or None) and the token counts the penalties need."""
+
+    def __init__(self, params, prompt_ids=(), constraint=None, choice=0):
+        self.params, self.constraint = params, constraint
+        self.rng = np.random.default_rng(choice_seed(params.seed, choice))
         self.seen = set(int(t) for t in prompt_ids)       # for the repetition penalty
         self.counts = {}                                  # output token -> count
 
     def __call__(self, logits):
         """logits: [V] float32 -> (token id, logprob | None, top logprobs | None)."""
-        p = self.params
+        p, constraint = self.params, self.constraint
         x = self._process(logits)
-        mask = p.constraint.allowed_mask() if p.constraint is not None else None
+        mask = constraint.allowed_mask() if constraint is not None else None
         if mask is not None:                               # None: every token is allowed this step
             x = np.where(mask, x, -np.inf)
         token = self._choose(x)
-        if p.constraint is not None:
-            p.constraint.advance(token)
+        if constraint is not None:
+            constraint.advance(token)
         self.seen.add(token)
         self.counts[token] = self.counts.get(token, 0) + 1
         if p.logprobs is None:

@@ -26,15 +26,16 @@ ROW_LIMIT = 64
 
 
 class Sequence:
-    """One run: prompt, sampler, detokenizer, stop strings and a slot. Events wait in `events`."""
+    """One run: prompt, sampler, detokenizer, stop strings and a slot. Events wait in `events`.
+    `constraint` and `choice` are this run's own (see sampling.Sampler); `params` the request's."""
 
-    def __init__(self, slot, tokenizer, prompt, params, should_stop, chunk, max_context):
+    def __init__(self, slot, tokenizer, prompt, params, should_stop, chunk, max_context, constraint=None, choice=0):
         self.slot, self.prompt, self.params = slot, prompt, params
         self.should_stop = should_stop or (lambda: False)
         self.chunk, self.max_context = chunk, max_context
         self.cached = slot.reusable(prompt)
         slot.keep(self.cached)
-        self.sampler = Sampler(params, prompt)
+        self.sampler = Sampler(params, prompt, constraint, choice)
         self.decoder = tokenizer.incremental_decoder()
         self.stops = StopMatcher(params.stop)
         self.end_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(tokenizer.stop_ids))
@@ -102,7 +103,7 @@ class Sequence:
     def trim(self, tokens):
         """A proposal cut before its first end token and where the grammar stops allowing it."""
         end = next((i for i, t in enumerate(tokens) if t in self.end_ids), len(tokens))
-        valid = getattr(self.params.constraint, "valid_prefix", None)
+        valid = getattr(self.sampler.constraint, "valid_prefix", None)
         return tokens[:end] if valid is None or not end else tokens[:valid(tokens[:end])]
 
     def verify(self, rows, logits):
@@ -184,19 +185,21 @@ class Scheduler:
         self.steps = 0              # steps run so far
         self._clock = 0             # acquisition counter, for least-recently-used slot reuse
 
-    def add(self, prompt, params, should_stop=None, client="", salt="", background=False, adapter=None):
-        return self._start(Sequence, prompt, params, should_stop, client, salt, background, adapter)
+    def add(self, prompt, params, should_stop=None, client="", salt="", background=False, adapter=None,
+            constraint=None, choice=0):
+        return self._start(Sequence, prompt, params, should_stop, client, salt, background, adapter,
+                           constraint=constraint, choice=choice)
 
     def add_scoring(self, prompt, top, should_stop=None, client="", salt="", background=False, adapter=None):
         return self._start(Scoring, prompt, top, should_stop, client, salt, background, adapter)
 
-    def _start(self, kind, prompt, options, should_stop, client, salt, background=False, adapter=None):
+    def _start(self, kind, prompt, options, should_stop, client, salt, background=False, adapter=None, **run):
         if adapter is not None:
             # NOTE(lora-salt): K/V computed with one adapter are never another's (or the base's):
             # the adapter's load key joins the salt, so slots are shared only within one adapter
             salt = f"{salt}\x00lora:{adapter.key}"
         slot = self.acquire(prompt, salt, background)
-        seq = kind(slot, self.tokenizer, prompt, options, should_stop, self.chunk, self.max_context)
+        seq = kind(slot, self.tokenizer, prompt, options, should_stop, self.chunk, self.max_context, **run)
         seq.client, seq.background, seq.adapter = client, background, adapter
         self.active.append(seq)
         return seq

@@ -4,7 +4,6 @@ and yields service events (KeepAlive | TextDelta | Finished), which `collect_cho
 service.py admits a request (template, tokens, context and queue checks) and hands it here; the
 HTTP side only ever sees these events.
 """
-import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -307,7 +306,7 @@ class Generation:
                  time_limit=0.0, on_close=()):
         self.model_id, self.request_id = engine.name, req.request_id
         self._req = req                           # what it asks: echo, logprobs, its chat part, its client
-        self.plan = plan                          # a chat request's OutputPlan (its `parser()` reads the text)
+        self.plan = plan                          # a chat request's OutputPlan: how the HTTP side reads the text
         self.prompt_tokens = len(ids)
         self.finish_reason = None
         self.enqueued_at, self.started_at = time.monotonic(), None
@@ -406,11 +405,9 @@ class Generation:
         return self._engine.thinking_budget(budget, self._ids, then=grammar)
 
     def _run(self, i, last):
-        """One choice's events, paced; returns False when the run was cancelled."""
-        params = self._params
-        params = dataclasses.replace(
-            params, seed=None if params.seed is None else (params.seed + i) % 2 ** 64,
-            constraint=self._constraint())
+        """One choice's events, paced; returns False when the run was cancelled. The request's
+        params serve every choice; the run's constraint and its index (its seed) go beside them."""
+        params, constraint = self._params, self._constraint()
         # NOTE(reasoning): counted on this thread from the tokens' ids, whatever constrains the run
         thought = self._engine.thinking_budget(None, self._ids) if self._req.chat is not None else None
         run = RunTranslator(self._engine.tokenizer, self._tally, i, last, params.logprobs is not None,
@@ -420,7 +417,7 @@ class Generation:
             return True
         self._steps = yield from self._pace.result(compute.submit(
             self._engine.generate, self._ids, params, should_stop=self._cancel.is_set, client=self._req.client,
-            cache_salt=self._req.cache_salt, background=self._req.background))
+            cache_salt=self._req.cache_salt, background=self._req.background, constraint=constraint, choice=i))
         while True:
             event = yield from self._next_event()
             if event is None:

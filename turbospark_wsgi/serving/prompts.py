@@ -1,16 +1,18 @@
 """What a generation request becomes before it queues: prompt ids within the model's context and
-the server's caps, sampling params with their token budget, and the chat's output plan with its
-grammar compiled aside. Each step refuses with an ApiError that names the request field at fault.
+the server's caps, its sampling params (built once the token budget is known), and the chat's
+output plan with its grammar compiled aside. Each step refuses with an ApiError that names the
+request field at fault.
 
     prompts = Prompts(config)
     prompts.check_without_model(req, queue)                 # caps that need no model
     ids, params, grammar, plan = prompts.prepare(engine, req)
 """
-import dataclasses
 import time
 
 from ..errors import ContextLengthExceeded, InvalidRequest, Overloaded
 from . import compute
+from .chat_plan import plan_output
+from .params import logprobs_wanted, sampling_params
 
 
 class Prompts:
@@ -22,14 +24,13 @@ class Prompts:
 
     def prepare(self, engine, req):
         """(prompt ids, sampling params, compiled grammar or None, the chat's OutputPlan or None)."""
-        plan = req.chat.plan(template_source(engine)) if req.chat is not None else None
+        plan = chat_plan(engine, req)
         if req.chat is not None and req.chat.thinking_budget is None:
             # NOTE(budget): an effort's budget, else the model's default (TURBOSPARK_REASONING_BUDGET[S])
             req.chat.thinking_budget = self.config.reasoning_budget_for(req.chat.reasoning_effort,
                                                                       req.model or self.config.model)
         ids = self.ids(engine, req, plan)
-        params = dataclasses.replace(req.params, max_new_tokens=self.budget(engine, req, len(ids)),
-                                     logprobs=_logprobs_wanted(req))
+        params = sampling_params(req.sampling, self.budget(engine, req, len(ids)), logprobs_wanted(req))
         self.check_logit_bias(engine, params)
         return ids, params, self.grammar(engine, plan), plan
 
@@ -159,6 +160,11 @@ def template_source(engine):
     return engine.template.source
 
 
+def chat_plan(engine, req):
+    """The OutputPlan of a chat request against the engine's template; None for a raw prompt."""
+    return plan_output(template_source(engine), req.chat) if req.chat is not None else None
+
+
 def encode_text(engine, req):
     # NOTE(bos): llama.cpp's add_special: BOS only where the model asks for it (SmolLM2's GGUF says
     # add_bos_token = false), so a text prompt and the same text's token ids score alike.
@@ -171,12 +177,6 @@ def check_ids(vocab, ids, param, where=""):
     if bad is not None:
         raise InvalidRequest(f"{where + ': ' if where else ''}token id {bad} is outside the vocabulary "
                              f"(0..{vocab - 1})", param=param)
-
-
-def _logprobs_wanted(req):
-    if req.logprobs is not None:
-        return req.logprobs
-    return 0 if (req.best_of or 0) > req.n else None      # best_of ranks by cumulative logprob
 
 
 def _timed(begun, fn, *args):

@@ -13,15 +13,17 @@ import threading
 from dataclasses import dataclass, field
 
 from .. import metrics
-from ..engine import QueryTooLong, SamplingParams
+from ..engine import QueryTooLong
 from ..errors import ApiError, InvalidRequest
 from . import compute, priority
 from .adapters import LoraAdmin
 from .cancel import CancelToken
+from .chat_plan import ChatPart
 from .generation import Generation, PromptBatch
 from .guardrails import Guardrails
 from .limits import Limits
-from .prompts import Prompts, check_ids, encode_text, keep_last, template_source, truncation
+from .params import Sampling
+from .prompts import Prompts, chat_plan, check_ids, encode_text, keep_last, template_source, truncation
 from .queue import LockQueue
 from .registry import Registry
 
@@ -36,12 +38,12 @@ class GenerationRequest:
     model: str | None = None                # None: the default model
     prompt: str | None = None               # raw text (completions)
     prompt_ids: list | None = None          # token ids given by the client
-    chat: object = None                     # a schemas.tool_prompt.ChatPart: messages through the model's
-                                            # template, planned against it by `chat.plan(source)`
+    chat: ChatPart | None = None            # messages through the model's template, planned against it
+                                            # (chat_plan.plan_output) once the model is leased
     prompts: list | None = None             # completions: several prompts, each text or token ids
     add_special: bool = True                # raw text: BOS where the model's own rule puts one; False: never
     max_tokens: int | None = 16             # None: up to the end of the context
-    params: SamplingParams = field(default_factory=SamplingParams)
+    sampling: Sampling = field(default_factory=Sampling)    # the engine's params come at admission (params.py)
     stream: bool = False
     include_usage: bool = False             # stream_options.include_usage
     echo: bool = False                      # completions: each choice starts with the prompt text
@@ -284,8 +286,7 @@ class Service:
         engine = _generating(self.registry.resolve(req.model), req.model or self.default_model)
         if req.prompt == "":
             return encode_text(engine, req), self.prompts.context(engine)
-        plan = req.chat.plan(template_source(engine)) if req.chat is not None else None
-        return self.prompts.ids(engine, req, plan), self.prompts.context(engine)
+        return self.prompts.ids(engine, req, chat_plan(engine, req)), self.prompts.context(engine)
 
     def tokenizer_info(self, model):
         """What the tokenizer of `model` (resolving it) is: its special tokens, BOS rule, chat

@@ -2,10 +2,10 @@
 from dataclasses import dataclass, field
 
 from .reasoning import CONTENT, REASONING, ReasoningSplitter
-from .tool_calls import CallArgs, ToolCall, detect_family, make_parser
+from .tool_calls import CallArgs, ToolCall, make_parser
 
-__all__ = ["OutputParser", "ParsedOutput", "parse_output", "ToolCall", "CallArgs", "detect_family",
-           "CONTENT", "REASONING"]
+__all__ = ["OutputParser", "ParsedOutput", "parse_output", "plan_parser", "ToolCall", "CallArgs", "CONTENT",
+           "REASONING"]
 
 
 class OutputParser:
@@ -36,6 +36,14 @@ class OutputParser:
         if flush:
             out.extend(self._tools.flush())
         return out
+
+
+def plan_parser(plan):
+    """A fresh OutputParser for one choice of a chat reply, as the service planned it (an OutputPlan
+    of serving/chat_plan.py), already past the tool-call opening the server wrote for the model."""
+    parser = OutputParser(reasoning=plan.reasoning, in_reasoning=plan.in_reasoning, tool_family=plan.tool_family)
+    parser.feed(plan.assistant_prefix)     # NOTE(tools): the prefix is output the model did not have to write
+    return parser
 
 
 @dataclass(slots=True)

@@ -334,17 +334,5 @@ class MistralParser(TailParser):
 FAMILIES = {"hermes": TagParser, "llama3_json": Llama3JsonParser, "mistral": MistralParser}
 
 
-def detect_family(template_text):
-    """The tool-call family a chat template speaks; Hermes when the template says nothing."""
-    text = template_text or ""
-    if "<tool_call>" in text:
-        return "hermes"
-    if "[TOOL_CALLS]" in text or "[AVAILABLE_TOOLS]" in text:
-        return "mistral"
-    if "<|python_tag|>" in text or ("<|start_header_id|>" in text and "tools" in text):
-        return "llama3_json"
-    return "hermes"
-
-
 def make_parser(family):
     return FAMILIES[family]()

@@ -5,8 +5,10 @@
     stream_response(resp, frames, events, watcher, error_event)   # or:
     body = finish(events, watcher, fold)              # fold(events) -> the body's parts; always closes
 
-Chat-shaped routes read the reply through `events.plan.parser()` (the service planned it).
+Chat-shaped routes read the reply through `reply_parsers(events)`: a fresh parser per choice, built
+from the output plan the service made against the model's template.
 """
+import functools
 import logging
 
 from ...errors import ApiError, EngineError
@@ -14,6 +16,7 @@ from ...serving.cancel import CancelToken, DisconnectWatcher
 from ...serving.guarded import GuardedEvents, input_fields
 from ...serving.guardrails import Blocked
 from ..middleware import caller, request_id
+from ..parsers import plan_parser
 from ..sse import SSEStream
 
 log = logging.getLogger("turbospark.http")
@@ -48,6 +51,12 @@ def begin(service, req, gen, prefix="messages"):
         events = GuardedEvents(events, rules, gen.n * (len(gen.prompts) if gen.prompts else 1))
     req.context.generation, req.context.limits = events, permit
     return events, DisconnectWatcher(req.env, cancel).start()
+
+
+def reply_parsers(events):
+    """The chat-shaped routes' one parser hand-over: `make_parser()` gives a fresh OutputParser for
+    a choice of `events` (the service's plan says how the reply reads)."""
+    return functools.partial(plan_parser, events.plan)
 
 
 def finish(events, watcher, fold):

@@ -3,7 +3,7 @@ from ..middleware import caller, read_json
 from ..schemas import openai
 from ..schemas.chat import parse_chat
 from ..schemas.chat_render import ChatReply, chat_body, chat_stream, drain_choices
-from . import begin, client_gone, finish, stream_response
+from . import begin, client_gone, finish, reply_parsers, stream_response
 
 
 class ChatCompletions:
@@ -18,11 +18,12 @@ class ChatCompletions:
         # NOTE(model): the name the request used, as every route echoes it (DEVIATIONS.md)
         reply = ChatReply(gen.model or self._service.default_model, gen.include_usage, gen.chat.parallel_tool_calls,
                           gen.guardrails)
+        make_parser = reply_parsers(events)
         if gen.stream:
-            frames = chat_stream(reply, events.plan.parser, events, gen.n)
+            frames = chat_stream(reply, make_parser, events, gen.n)
             stream_response(resp, frames, events, watcher, openai.error_event)
             return
-        choices, finished = finish(events, watcher, lambda e: drain_choices(events.plan.parser, e))
+        choices, finished = finish(events, watcher, lambda e: drain_choices(make_parser, e))
         if finished is None:
             client_gone(resp)
         else:

@@ -3,7 +3,7 @@ from ..middleware import caller, read_json
 from ..schemas.anthropic import parse_messages_request
 from ..schemas.anthropic_render import MessageReply, error_event, message_body, message_stream
 from ..schemas.chat_render import drain_choices
-from . import begin, client_gone, finish, stream_response
+from . import begin, client_gone, finish, reply_parsers, stream_response
 
 
 class Messages:
@@ -16,11 +16,12 @@ class Messages:
         gen = parse_messages_request(read_json(req, self._max_body))
         events, watcher = begin(self._service, req, gen)
         reply = MessageReply(gen.model or self._service.default_model, gen.chat.parallel_tool_calls)
+        make_parser = reply_parsers(events)
         if gen.stream:
-            frames = message_stream(reply, events.plan.parser(), events, events.prompt_tokens)
+            frames = message_stream(reply, make_parser, events, events.prompt_tokens)
             stream_response(resp, frames, events, watcher, error_event)
             return
-        choices, finished = finish(events, watcher, lambda e: drain_choices(events.plan.parser, e))
+        choices, finished = finish(events, watcher, lambda e: drain_choices(make_parser, e))
         if finished is None:
             client_gone(resp)
         else:

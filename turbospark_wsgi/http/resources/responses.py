@@ -6,7 +6,7 @@ from ..middleware import caller, read_json
 from ..schemas.responses import parse_responses
 from ..schemas.responses_input import assistant_turn
 from ..schemas.responses_render import ResponseReply, ResponseStream, response_body
-from . import begin, client_gone, finish, stream_response
+from . import begin, client_gone, finish, reply_parsers, stream_response
 
 # NOTE(params): the chat path names chat fields in its refusals; a Responses client sent these.
 _PARAMS = {"messages": "input", "max_tokens": "max_output_tokens"}
@@ -33,13 +33,13 @@ class Responses:
             self._store.check()         # NOTE(outage): a store out of reach refuses before any work
         events, watcher = self._admit(req, request.generation(parent.history() if parent else []))
         reply = ResponseReply(request.model or self._service.default_model, request.echo)
-        parser = events.plan.parser()
+        make_parser = reply_parsers(events)
         keep = self._keeper(request, owner, parent)
         if request.stream:
-            stream = ResponseStream(reply, parser, request.parallel_tool_calls, keep)
+            stream = ResponseStream(reply, make_parser, request.parallel_tool_calls, keep)
             stream_response(resp, stream.frames(events), events, watcher, stream.error_frame)
             return
-        body = finish(events, watcher, lambda e: response_body(reply, parser, e, request.parallel_tool_calls))
+        body = finish(events, watcher, lambda e: response_body(reply, make_parser, e, request.parallel_tool_calls))
         if body is None:
             client_gone(resp)
             return

@@ -1,12 +1,12 @@
 """POST /v1/messages (Anthropic Messages API): the request body checked and turned into a GenerationRequest."""
 import json
 
+from ...serving.chat_plan import ChatPart
 from ...serving.service import GenerationRequest
 from . import checks, common
 from .chat_messages import function_spec
 from .checks import fail
 from .document import encodable_value
-from .tool_prompt import ChatPart
 
 
 def parse_messages_request(doc, count_only=False):
@@ -18,11 +18,11 @@ def parse_messages_request(doc, count_only=False):
     messages = _system(doc.get("system")) + _messages(checks.require(doc, "messages"))
     tools = _tools(doc.get("tools"))
     choice, parallel = _tool_choice(doc.get("tool_choice"), tools)
-    params = common.sampling_params(doc, common.ANTHROPIC)
+    sampling = common.sampling(doc, common.ANTHROPIC)
     model, stream = common.model_name(doc), checks.boolean(doc, "stream")
     chat = ChatPart(messages, tools=tools if choice != "none" else None, tool_choice=choice,
                     parallel_tool_calls=parallel, **_thinking(doc.get("thinking"), max_tokens))
-    return GenerationRequest(model=model, chat=chat, max_tokens=max_tokens, params=params, stream=stream,
+    return GenerationRequest(model=model, chat=chat, max_tokens=max_tokens, sampling=sampling, stream=stream,
                              prompt_param="messages")
 
 

@@ -103,12 +103,12 @@ class _Blocks:
         yield from self.events(CallArgs(call.arguments))
 
 
-def message_events(reply, parser, events, input_tokens):
-    """(event name, data) pairs for service events; (None, None) stands for a keep-alive comment.
-
-    A cancelled run ends without message_delta / message_stop.
+def message_events(reply, make_parser, events, input_tokens):
+    """(event name, data) pairs for service events, read by the parser `make_parser()` gives;
+    (None, None) stands for a keep-alive comment. A cancelled run ends without message_delta /
+    message_stop.
     """
-    blocks = _Blocks(reply)
+    blocks, parser = _Blocks(reply), make_parser()
     yield "message_start", {"type": "message_start", "message": {
         "id": reply.id, "type": "message", "role": "assistant", "model": reply.model, "content": [],
         "stop_reason": None, "stop_sequence": None, "usage": {"input_tokens": input_tokens, "output_tokens": 0}}}
@@ -135,9 +135,9 @@ def _finish(blocks, parser, finished):
     yield "message_stop", {"type": "message_stop"}
 
 
-def message_stream(reply, parser, events, input_tokens):
+def message_stream(reply, make_parser, events, input_tokens):
     """SSE frames: named events, with keep-alive comments while waiting."""
-    for name, data in message_events(reply, parser, events, input_tokens):
+    for name, data in message_events(reply, make_parser, events, input_tokens):
         yield sse.KEEPALIVE if name is None else sse.named_event(name, data)
 
 

@@ -1,10 +1,10 @@
 """POST /v1/chat/completions: the request body checked and turned into a GenerationRequest."""
+from ...serving.chat_plan import ChatPart
 from ...serving.service import GenerationRequest
 from . import checks, common
 from .chat_grammar import response_format_grammar
 from .chat_messages import parse_messages, parse_tool_choice, parse_tools
 from .checks import fail
-from .tool_prompt import ChatPart
 
 REASONING_FORMATS = ("auto", "parsed", "deepseek", "none")
 
@@ -19,13 +19,13 @@ def parse_chat(doc):
     stream = checks.boolean(doc, "stream")
     n, logprobs = common.choice_count(doc), _logprobs(doc)
     grammar = response_format_grammar(doc.get("response_format"))
-    params, model, max_tokens = common.sampling_params(doc), common.model_name(doc), _max_tokens(doc)
+    sampling, model, max_tokens = common.sampling(doc), common.model_name(doc), _max_tokens(doc)
     effort = common.reasoning_effort(doc.get("reasoning_effort"), "reasoning_effort")
     chat = ChatPart(messages, tools=tools if choice != "none" else None, tool_choice=choice,
                     parallel_tool_calls=checks.boolean(doc, "parallel_tool_calls", True), reasoning=_reasoning(doc),
                     template_kwargs={**common.effort_kwargs(effort), **_template_kwargs(doc)}, grammar=grammar,
                     thinking_budget=common.token_budget(doc, "thinking_token_budget"), reasoning_effort=effort)
-    return GenerationRequest(model=model, chat=chat, max_tokens=max_tokens, params=params, stream=stream,
+    return GenerationRequest(model=model, chat=chat, max_tokens=max_tokens, sampling=sampling, stream=stream,
                              include_usage=common.include_usage(doc, stream), n=n, logprobs=logprobs,
                              prompt_param="messages", truncate_prompt_tokens=common.truncate_prompt_tokens(doc),
                              cache_salt=common.cache_salt(doc))

@@ -1,16 +1,12 @@
 """Structured output as grammar specs (llguidance's JSON grammar format): `response_format`
-json_object / json_schema, and forced tool calls (their arguments follow the tool's schema).
+json_object / json_schema. A forced tool call's grammar depends on the model's template, so the
+service plans it (serving/chat_plan.py), in the same JSON style.
 
 The specs are plain dicts; the service compiles them against the model's tokenizer.
 """
-import json
-
+from ...serving.chat_plan import styled
 from .checks import fail
 from .json_schema import check_schema
-
-# NOTE(whitespace): one fixed style (", " and ": ", no newlines) keeps a small model from wandering
-# into endless whitespace, which flexible JSON whitespace allows.
-JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 def response_format_grammar(value):
@@ -35,36 +31,4 @@ def response_format_grammar(value):
 
 
 def json_grammar(schema):
-    return {"grammars": [{"json_schema": _styled(schema)}]}
-
-
-def _styled(schema):
-    return {**schema, "x-guidance": {**JSON_STYLE, **schema.get("x-guidance", {})}}
-
-
-def tool_call_grammar(family, tool_choice, tools):
-    """The rest of a forced call after its prefix (see tool_prompt.forced_prefix); None unless forced."""
-    if tool_choice in ("auto", "none") or not tools:
-        return None
-    schemas = {t["function"]["name"]: t["function"].get("parameters") or {"type": "object"} for t in tools}
-    if tool_choice != "required":
-        schemas = {tool_choice: schemas[tool_choice]}
-    rules, alternatives = [], []
-    for k, (name, schema) in enumerate(schemas.items()):
-        rules.append(f"args{k}: %json {json.dumps(_styled(schema))}")
-        alternatives.append(_call_rule(family, tool_choice == "required", name, f"args{k}"))
-    lark = "start: " + " | ".join(alternatives) + "\n" + "\n".join(rules) + "\n"
-    return {"grammars": [{"lark_grammar": lark}]}
-
-
-def _call_rule(family, required, name, args):
-    q = json.dumps
-    if family == "llama3_json":
-        head, tail = (q(q(name) + ", \"parameters\": ") if required else None), q("}")
-    elif family == "mistral":
-        head = q("[{\"name\": " + q(name) + ", \"arguments\": ") if required else None
-        tail = q("}]")
-    else:
-        head = q("{\"name\": " + q(name) + ", \"arguments\": ") if required else None
-        tail = q("}\n</tool_call>")
-    return " ".join(p for p in (head, args, tail) if p)
+    return {"grammars": [{"json_schema": styled(schema)}]}

@@ -146,11 +146,8 @@ def chat_chunks(reply, make_parser, events, n=1):
     """Stream chunks (dicts) for service events; None stands for a keep-alive comment.
 
     Each choice's first chunk carries the role; logprobs ride on the next chunk of their choice;
-    a cancelled run ends without a finish chunk. `make_parser` may be one parser when n == 1.
+    a cancelled run ends without a finish chunk. `make_parser()` gives each choice its parser.
     """
-    if not callable(make_parser):
-        only = make_parser
-        make_parser = lambda: only          # noqa: E731
     writers, parsers = {}, {}
     for i in range(n):
         writers[i], parsers[i] = _ChunkWriter(reply, i), make_parser()
@@ -178,11 +175,11 @@ def chat_chunks(reply, make_parser, events, n=1):
                 yield {**reply.envelope("chat.completion.chunk"), "choices": [], "usage": usage_dict(event.usage)}
 
 
-def chat_stream(reply, parser, events, n=1):
+def chat_stream(reply, make_parser, events, n=1):
     """SSE frames: the chunks, keep-alive comments, then `[DONE]` after the last choice's finish
     (not after a cancel)."""
     finished = 0
-    for chunk in chat_chunks(reply, parser, events, n):
+    for chunk in chat_chunks(reply, make_parser, events, n):
         if chunk is None:
             yield sse.KEEPALIVE
             continue

@@ -8,8 +8,8 @@ import math
 from dataclasses import dataclass
 
 from ...config import EFFORTS, MAX_BUDGET
-from ...engine import SamplingParams
 from ...errors import InvalidRequest
+from ...serving.params import Sampling
 
 INT_LIMIT = 2 ** 63           # bigger integers are refused before they reach arithmetic
 MAX_TOKENS_LIMIT = 2 ** 31 - 1
@@ -167,8 +167,9 @@ OPENAI = SamplingBounds()
 ANTHROPIC = SamplingBounds(temperature_max=1.0, top_p_min=0.0001, stop="stop_sequences", extensions=False)
 
 
-def sampling_params(doc, bounds=OPENAI, max_tokens=0):
-    """The sampling fields -> SamplingParams. top_p 0 is greedy; top_k -1 or 0 is off (vLLM's -1)."""
+def sampling(doc, bounds=OPENAI):
+    """The sampling fields -> Sampling (the service builds the engine's params from it once the
+    token budget is known). top_p 0 is greedy; top_k -1 or 0 is off (vLLM's -1)."""
     temperature = opt_number(doc, "temperature", 1.0, 0, bounds.temperature_max)
     top_p = opt_number(doc, "top_p", 1.0, bounds.top_p_min, 1)
     if top_p == 0:
@@ -177,10 +178,9 @@ def sampling_params(doc, bounds=OPENAI, max_tokens=0):
     stop = stop_strings(doc, bounds.stop)
     speculative = opt_bool(doc, "speculative", True)      # our extension, on every route: the output is the same
     if not bounds.extensions:
-        return SamplingParams(max_new_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                              stop=stop, speculative=speculative)
-    return SamplingParams(
-        max_new_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, speculative=speculative,
+        return Sampling(temperature=temperature, top_p=top_p, top_k=top_k, stop=stop, speculative=speculative)
+    return Sampling(
+        temperature=temperature, top_p=top_p, top_k=top_k, speculative=speculative,
         min_p=opt_number(doc, "min_p", 0.0, 0, 1), repetition_penalty=repetition_penalty(doc),
         presence_penalty=opt_number(doc, "presence_penalty", 0.0, -2, 2),
         frequency_penalty=opt_number(doc, "frequency_penalty", 0.0, -2, 2),

@@ -10,7 +10,7 @@ from ...serving.generation import ChoiceResult, Finished, KeepAlive, TextDelta
 from ...serving.service import GenerationRequest
 from .. import sse
 from .common import (MAX_TOP_LOGPROBS, TOKEN_ID_LIMIT, cache_salt, choice_count, expect_object, include_usage,
-                     is_int, max_tokens as token_budget, model_name, opt_bool, opt_int, sampling_params,
+                     is_int, max_tokens as token_budget, model_name, opt_bool, opt_int, sampling,
                      truncate_prompt_tokens, type_name)
 
 DEGRADATION_HEADER = "x-anyllm-degradation"
@@ -52,7 +52,7 @@ def parse_completion(doc, max_prompts=MAX_PROMPTS):
     if max_tokens == 0 and not echo:
         # NOTE(echo): max_tokens 0 with echo means "score the prompt only" (lm-eval loglikelihood)
         raise InvalidRequest("max_tokens must be greater than 0 (0 is allowed only with echo)", param="max_tokens")
-    params = sampling_params(doc, max_tokens=max_tokens)
+    sampling_fields = sampling(doc)
     logprobs = opt_int(doc, "logprobs", None, lo=0, hi=MAX_TOP_LOGPROBS)
     prompts = _prompts(doc, max_prompts)
     one = prompts[0] if len(prompts) == 1 else None
@@ -60,7 +60,7 @@ def parse_completion(doc, max_prompts=MAX_PROMPTS):
     req = GenerationRequest(model=model_name(doc), prompt=one if isinstance(one, str) else None,
                             prompt_ids=one if isinstance(one, list) else None,
                             prompts=prompts if one is None else None,
-                            add_special=add_special(doc), max_tokens=max_tokens, params=params,
+                            add_special=add_special(doc), max_tokens=max_tokens, sampling=sampling_fields,
                             stream=stream, include_usage=include_usage(doc, stream),
                             echo=echo, logprobs=logprobs, n=n, best_of=best_of,
                             truncate_prompt_tokens=truncate_prompt_tokens(doc), cache_salt=cache_salt(doc))

@@ -5,7 +5,8 @@ Every check here needs no model, so it runs before one is resolved.
 """
 from dataclasses import dataclass, field
 
-from ...engine import SamplingParams
+from ...serving.chat_plan import ChatPart
+from ...serving.params import Sampling
 from ...serving.service import GenerationRequest
 from . import checks, common
 from .chat_grammar import json_grammar
@@ -13,7 +14,6 @@ from .chat_messages import function_spec
 from .checks import fail
 from .json_schema import check_schema
 from .responses_input import parse_input, with_tool_names
-from .tool_prompt import ChatPart
 
 SUMMARIES = ("auto", "concise", "detailed")
 VERBOSITIES = ("low", "medium", "high")
@@ -29,7 +29,7 @@ class ResponsesRequest:
     """What a Responses request asks for; `generation(history)` once the stored history is known."""
 
     input_messages: list                  # this request's input as template dicts
-    params: SamplingParams
+    sampling: Sampling
     echo: dict                            # request fields every Response object repeats
     instructions: str | None = None
     model: str | None = None
@@ -52,7 +52,7 @@ class ResponsesRequest:
                         parallel_tool_calls=self.parallel_tool_calls, reasoning=self.reasoning,
                         template_kwargs=self.template_kwargs, grammar=self.grammar, grammar_param="text.format",
                         reasoning_effort=self.effort)
-        return GenerationRequest(model=self.model, chat=chat, max_tokens=self.max_tokens, params=self.params,
+        return GenerationRequest(model=self.model, chat=chat, max_tokens=self.max_tokens, sampling=self.sampling,
                                  stream=self.stream, prompt_param="input", cache_salt=self.cache_salt)
 
 
@@ -69,7 +69,7 @@ def parse_responses(doc):
     max_tokens = common.max_tokens(doc, "max_output_tokens")
     parallel = checks.boolean(doc, "parallel_tool_calls", True)
     store = checks.boolean(doc, "store", True)
-    params = common.sampling_params(doc)
+    sampling = common.sampling(doc)
     echo = {
         "instructions": instructions, "max_output_tokens": max_tokens,
         "max_tool_calls": checks.integer(doc, "max_tool_calls", 1, None), "metadata": _metadata(doc.get("metadata")),
@@ -82,7 +82,7 @@ def parse_responses(doc):
         "user": _optional_str(doc, "user"), "safety_identifier": _optional_str(doc, "safety_identifier"),
         "prompt_cache_key": _optional_str(doc, "prompt_cache_key")}
     return ResponsesRequest(
-        input_messages=input_messages, params=params, echo=echo, instructions=instructions,
+        input_messages=input_messages, sampling=sampling, echo=echo, instructions=instructions,
         model=common.model_name(doc), max_tokens=max_tokens, tools=tools if choice != "none" else None,
         tool_choice=choice, parallel_tool_calls=parallel, stream=_stream(doc), store=store,
         previous_response_id=echo["previous_response_id"], grammar=grammar,

@@ -166,9 +166,10 @@ class OutputItems:
         return {"item_id": item.id, "output_index": len(self.items) - 1, **fields}
 
 
-def response_body(reply, parser, events, parallel_tool_calls=True):
-    """Drains service events into the finished Response; None when the run was cancelled."""
-    items = OutputItems(parallel_tool_calls)
+def response_body(reply, make_parser, events, parallel_tool_calls=True):
+    """Drains service events, read by the parser `make_parser()` gives, into the finished Response;
+    None when the run was cancelled."""
+    items, parser = OutputItems(parallel_tool_calls), make_parser()
     for event in events:
         if isinstance(event, TextDelta):
             for parsed in parser.feed(event.text):
@@ -184,10 +185,11 @@ def response_body(reply, parser, events, parallel_tool_calls=True):
 class ResponseStream:
     """The SSE frames of one streamed response, numbered in order; `error_frame` ends it after any
     of them with an `error` event and `response.failed`. `on_done(body)` sees the finished Response
-    before `response.completed` (or `response.incomplete`) goes out."""
+    before `response.completed` (or `response.incomplete`) goes out. The text is read by the parser
+    `make_parser()` gives."""
 
-    def __init__(self, reply, parser, parallel_tool_calls=True, on_done=None):
-        self._reply, self._parser = reply, parser
+    def __init__(self, reply, make_parser, parallel_tool_calls=True, on_done=None):
+        self._reply, self._parser = reply, make_parser()
         self._items = OutputItems(parallel_tool_calls)
         self._on_done = on_done
         self._seq = 0

@@ -10,11 +10,11 @@ add_special_tokens / add_special is false); messages as /v1/chat/completions doe
 equals that route's `usage.prompt_tokens`.
 """
 from ...errors import InvalidRequest
+from ...serving.chat_plan import ChatPart
 from ...serving.service import GenerationRequest
 from .chat_messages import parse_messages, parse_tool_choice, parse_tools
 from .common import TOKEN_ID_LIMIT, expect_object, is_int, model_name, type_name
 from .openai import add_special
-from .tool_prompt import ChatPart
 
 
 def parse_tokenize(doc):

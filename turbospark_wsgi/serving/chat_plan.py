@@ -1,15 +1,12 @@
 """The chat part of a GenerationRequest, and how its tools and reasoning meet a model's template:
-family, fallback, forced prefix, grammar and the output parser.
+family, fallback, forced prefix and grammar, planned once the model is leased. The plan is plain
+data: the HTTP side reads the reply through a parser it builds from the plan's fields.
 
     chat = ChatPart(messages, tools=..., tool_choice=...)     # checked by the schemas, no model needed
-    plan = chat.plan(template_source)                         # the service, once the model is leased
-    parser = plan.parser()                                    # one per choice, for the resource
+    plan = plan_output(template_source, chat)                 # the service, once the model is leased
 """
 import json
 from dataclasses import dataclass, field
-
-from ..parsers import OutputParser, detect_family
-from .chat_grammar import tool_call_grammar
 
 _FALLBACK_SYSTEM = (
     "You may call one or more functions to assist with the user query. The available functions are "
@@ -34,10 +31,6 @@ class ChatPart:
     grammar: dict | None = None           # the response format as a grammar spec
     grammar_param: str = "response_format"  # the request field that grammar came from
 
-    def plan(self, source):
-        """The OutputPlan against a model's chat template source."""
-        return plan_output(source, self)
-
 
 @dataclass(slots=True)
 class OutputPlan:
@@ -45,18 +38,24 @@ class OutputPlan:
 
     messages: list
     tools: list | None                    # passed to the template (None when the template can't take them)
-    tool_family: str | None               # parser family; None: no tool calls parsed
+    tool_family: str | None               # detect_family's name; None: no tool calls parsed
     in_reasoning: bool                    # the generation prompt already opened <think>
     assistant_prefix: str = ""            # generated-text prefix forcing a tool call ('' when not forced)
     reasoning: bool = True                # split <think> out of the content
     grammar: dict | None = None           # the grammar the output must follow (a forced call's, else the format's)
     grammar_param: str = "response_format"  # the request field blamed when the grammar cannot compile
 
-    def parser(self):
-        """A fresh OutputParser for one choice, already past the forced tool-call prefix."""
-        parser = OutputParser(reasoning=self.reasoning, in_reasoning=self.in_reasoning, tool_family=self.tool_family)
-        parser.feed(self.assistant_prefix)     # NOTE(tools): the prefix is output the model did not have to write
-        return parser
+
+def detect_family(template_text):
+    """The tool-call family a chat template speaks; Hermes when the template says nothing."""
+    text = template_text or ""
+    if "<tool_call>" in text:
+        return "hermes"
+    if "[TOOL_CALLS]" in text or "[AVAILABLE_TOOLS]" in text:
+        return "mistral"
+    if "<|python_tag|>" in text or ("<|start_header_id|>" in text and "tools" in text):
+        return "llama3_json"
+    return "hermes"
 
 
 def prompt_opens_reasoning(source):
@@ -97,6 +96,44 @@ def forced_prefix(family, tool_choice):
     if family == "mistral":
         return f'[TOOL_CALLS][{{"name": {name}, "arguments": ' if named else "[TOOL_CALLS]"
     return f'<tool_call>\n{{"name": {name}, "arguments": ' if named else "<tool_call>\n"
+
+
+# NOTE(whitespace): one fixed style (", " and ": ", no newlines) keeps a small model from wandering
+# into endless whitespace, which flexible JSON whitespace allows.
+JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def styled(schema):
+    """A JSON schema as a grammar in JSON_STYLE."""
+    return {**schema, "x-guidance": {**JSON_STYLE, **schema.get("x-guidance", {})}}
+
+
+def tool_call_grammar(family, tool_choice, tools):
+    """The rest of a forced call after its prefix (see forced_prefix); None unless forced."""
+    if tool_choice in ("auto", "none") or not tools:
+        return None
+    schemas = {t["function"]["name"]: t["function"].get("parameters") or {"type": "object"} for t in tools}
+    if tool_choice != "required":
+        schemas = {tool_choice: schemas[tool_choice]}
+    rules, alternatives = [], []
+    for k, (name, schema) in enumerate(schemas.items()):
+        rules.append(f"args{k}: %json {json.dumps(styled(schema))}")
+        alternatives.append(_call_rule(family, tool_choice == "required", name, f"args{k}"))
+    lark = "start: " + " | ".join(alternatives) + "\n" + "\n".join(rules) + "\n"
+    return {"grammars": [{"lark_grammar": lark}]}
+
+
+def _call_rule(family, required, name, args):
+    q = json.dumps
+    if family == "llama3_json":
+        head, tail = (q(q(name) + ", \"parameters\": ") if required else None), q("}")
+    elif family == "mistral":
+        head = q("[{\"name\": " + q(name) + ", \"arguments\": ") if required else None
+        tail = q("}]")
+    else:
+        head = q("{\"name\": " + q(name) + ", \"arguments\": ") if required else None
+        tail = q("}\n</tool_call>")
+    return " ".join(p for p in (head, args, tail) if p)
 
 
 def _fallback_messages(messages, tools):
