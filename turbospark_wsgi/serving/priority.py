@@ -11,11 +11,10 @@ already waiting on the compute thread, and its thread rendering templates beside
 still came first. PERF(priority): tools/bench_batch.py, SmolLM2-135M, 2 lines at once: live TTFT
 with a batch running was 1.93x its quiet value with the queue and scheduler rules alone.
 """
-import threading
+from .queue import lazy_condition
 
 HOLD_MOST = 1.0             # s a batch line waits at most at once (a live request stuck in a long prefill
                             # pauses batch lines in the engine anyway)
-_guard = threading.Lock()   # NOTE(fork): only guards the lazy creation below
 
 
 class _Arrival:
@@ -61,11 +60,7 @@ class LiveArrivals:
             self._cond.wait_for(lambda: self._count == 0, timeout=most)
 
     def _condition(self):
-        if self._cond is None:
-            with _guard:
-                if self._cond is None:
-                    self._cond = threading.Condition()      # NOTE(gevent): made after monkey-patching
-        return self._cond
+        return lazy_condition(self)
 
 
 live = LiveArrivals()

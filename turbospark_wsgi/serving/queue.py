@@ -27,6 +27,17 @@ from ..errors import Overloaded
 
 _WAITING, _HOLDING, _DONE = "waiting", "holding", "done"
 _guard = threading.Lock()   # NOTE(fork): only guards the lazy creation below, never held across a switch
+
+
+def lazy_condition(holder):
+    """`holder._cond`, a threading.Condition made on its first use. NOTE(gevent): made after gevent's
+    monkey-patching (never at import), so a gevent worker's is cooperative; the guard is held only
+    while one is made."""
+    if holder._cond is None:
+        with _guard:
+            if holder._cond is None:
+                holder._cond = threading.Condition()
+    return holder._cond
 _queues = weakref.WeakSet()     # every LockQueue of this process, for shut_down_all()
 SHUTTING_DOWN = "the server is shutting down; retry the request (another replica can serve it)"
 
@@ -220,11 +231,7 @@ class LockQueue:
                           retry_after=self.retry_after)
 
     def _condition(self):
-        if self._cond is None:
-            with _guard:
-                if self._cond is None:
-                    self._cond = threading.Condition()
-        return self._cond
+        return lazy_condition(self)
 
     def _wait(self, ticket, timeout):
         end = None if timeout is None else time.monotonic() + timeout
