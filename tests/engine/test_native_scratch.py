@@ -2,6 +2,7 @@
 gives every call the bits of a call on fresh memory; an allocation that fails is a MemoryError
 naming the kernel, after which nothing was written and the next call runs; and every allocation in
 the source goes through the one checked helper."""
+import os
 import re
 import threading
 from pathlib import Path
@@ -16,12 +17,19 @@ from test_quant_kernels import make  # noqa: E402
 
 pytestmark = pytest.mark.skipif(native.compiler() is None or not kernels_cpu.AVAILABLE,
                                 reason="no C compiler, or numba is absent")
-PATH = isa.runnable(isa.host_features())[0]
+# the paths this machine runs, on this architecture's C build (test_native_kernels.py's)
+PATHS = [p for p in isa.runnable(isa.host_features()) if p != "neon" or os.uname().machine in ("aarch64", "arm64")]
+PATH = PATHS[0]
 
 
 @pytest.fixture(scope="module")
 def lib():
     return native.load(PATH)
+
+
+@pytest.fixture(scope="module", params=PATHS)
+def each(request):
+    return native.load(request.param)
 
 
 @pytest.fixture(scope="module")
@@ -66,8 +74,8 @@ SHAPES = [1, 40, 3, 64, 1, 7]       # rows: growing, then shrinking, then growin
 
 
 @pytest.mark.parametrize("kind", ["i8", "f32"])
-def test_products_on_a_reused_block_give_fresh_memorys_bits(lib, weight, kind):
-    p, k = weight
+def test_products_on_a_reused_block_give_fresh_memorys_bits(each, weight, kind):
+    lib, (p, k) = each, weight
     fresh = {B: _fresh(lib, _product, p, k, B, kind) for B in set(SHAPES)}
     lib.release_scratch()
     sizes = []
@@ -79,7 +87,8 @@ def test_products_on_a_reused_block_give_fresh_memorys_bits(lib, weight, kind):
     assert lib.scratch_bytes() == 0
 
 
-def test_attention_on_a_reused_block_gives_fresh_memorys_bits(lib):
+def test_attention_on_a_reused_block_gives_fresh_memorys_bits(each):
+    lib = each
     # (depth, rows): a few blocks' tasks are their chunks, 16 blocks' or more (G = 2) the blocks
     cases = [(0, 1), (1000, 1), (300, 64), (400, 130), (600, 2), (10, 9), (1200, 40), (0, 1), (0, 200)]
     fresh = {c: _fresh(lib, _attend, *c) for c in set(cases)}
@@ -102,9 +111,10 @@ def _model_steps(model, release=None):
     return np.concatenate(out)
 
 
-def test_layers_on_a_reused_block_give_fresh_memorys_bits(tiny_gguf):
+@pytest.mark.parametrize("path", PATHS)
+def test_layers_on_a_reused_block_give_fresh_memorys_bits(tiny_gguf, path):
     from turbospark_wsgi.engine.loader import load_model
-    model = load_model(tiny_gguf(qtype="Q8_0").path, device="cpu", kernels="native", int8_isa=PATH,
+    model = load_model(tiny_gguf(qtype="Q8_0").path, device="cpu", kernels="native", int8_isa=path,
                        activations="int8").model
     lib = model.native
     assert lib is not None
