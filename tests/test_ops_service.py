@@ -72,6 +72,19 @@ def test_a_generation_holds_its_model_until_closed(make_harness):
     collect(h.service.run(GenerationRequest(model="other", prompt="hi", max_tokens=2), CancelToken()))
 
 
+def test_an_unload_frees_the_kernels_scratch_on_the_compute_thread(make_harness, monkeypatch):
+    from turbospark_wsgi.engine.kernels import native
+    from turbospark_wsgi.serving import compute
+    ran = []
+    monkeypatch.setattr(native, "release_scratch", lambda: ran.append(threading.get_ident()))
+    h = make_harness(model_memory=1500)
+    sized(h, fake=1000, other=1000)
+    h.registry.resolve("fake")
+    assert ran == []
+    h.registry.resolve("other")                 # unloads "fake"
+    assert ran == [compute.run(threading.get_ident)]
+
+
 def test_a_model_larger_than_the_budget_is_refused_by_name(make_harness):
     h = make_harness(model_memory=100)
     sized(h, other=1000)

@@ -14,7 +14,7 @@ from .events import ConstraintError, Finish, FinishReason, Paused, Prefill, Quer
 from .options import EngineOptions
 
 __all__ = ["Engine", "EngineOptions", "load_engine", "SamplingParams", "FinishReason", "Paused", "Prefill", "Scores",
-           "Token", "Finish", "ConstraintError", "QueryTooLong"]
+           "Token", "Finish", "ConstraintError", "QueryTooLong", "release_scratch"]
 
 
 def __getattr__(name):  # keep `import turbospark_wsgi.engine` cheap: numpy/tokenizers load on first use
@@ -24,4 +24,7 @@ def __getattr__(name):  # keep `import turbospark_wsgi.engine` cheap: numpy/toke
     if name == "SamplingParams":
         from .sampling import SamplingParams
         return SamplingParams
+    if name == "release_scratch":       # the calling thread's C-kernel scratch (kernels/native.py)
+        from .kernels.native import release_scratch
+        return release_scratch
     raise AttributeError(name)

@@ -316,8 +316,8 @@ class Registry:
                 metrics.record_unload(entry.engine.name)
             self._observe()
             full = self._used() + nbytes > budget
-        if unloaded and _freeze_after_load:
-            freeze_heap()           # NOTE(gc): the unloaded model's cycles were frozen with it
+        if unloaded:
+            _after_unload()
         if full:
             raise Overloaded(f"The model '{name}' cannot be loaded now: the models in use fill the memory "
                              f"budget ({self._used()} of {budget} bytes); retry later", retry_after=5)
@@ -358,6 +358,17 @@ def freeze_after_load(enabled=True):
     workers turn it on; a process that embeds the app decides for its own heap."""
     global _freeze_after_load
     _freeze_after_load = bool(enabled)
+
+
+def _after_unload():
+    """What an unload leaves behind, put away: the C kernels' scratch, which is the compute thread's
+    and sized for the largest call any model made (NOTE(scratch)), freed there before the next load
+    and made again as calls need it; and the heap frozen again where loads freeze it (NOTE(gc): the
+    unloaded model's cycles were frozen with it)."""
+    from ..engine import release_scratch
+    compute.submit(release_scratch)
+    if _freeze_after_load:
+        freeze_heap()
 
 
 def freeze_heap():

@@ -17,8 +17,12 @@
  * change a row's bits.
  *
  * Threads: OpenMP, `nthreads` per call (the caller's choice, as numba's set_num_threads).
+ *
+ * Memory: the kernels that need working buffers take them from the calling thread's scratch block
+ * (NOTE(scratch), below) and return TS_OK, or TS_NOMEM having done nothing.
  */
 #include <math.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -28,11 +32,18 @@
 #if defined(__aarch64__)
 #include <arm_neon.h>
 #endif
+#if defined(_OPENMP)
+#include <omp.h>
+#else
+static inline int omp_get_thread_num(void) { return 0; }
+#endif
 
 #ifndef TS_PATH
 #define TS_PATH 4
 #endif
-#define TS_ABI 2
+#define TS_ABI 3
+#define TS_OK 0
+#define TS_NOMEM 1
 
 #define ROWS 8           /* attention: rows of one sequence in a block */
 #define CHUNK 256        /* attention: keys in a chunk (fixed by absolute position) */
@@ -205,6 +216,98 @@ static inline float hsum512(__m512 v) {
 static inline int threads_for(int nthreads, i64 work) {
     if (nthreads < 1) nthreads = 1;
     return work < nthreads ? (int)(work < 1 ? 1 : work) : nthreads;
+}
+
+/* ---- scratch --------------------------------------------------------------------------------- */
+
+/* NOTE(scratch): a kernel's working buffers are cut from one block of memory per calling thread,
+ * made at the first call, grown when a call needs more and otherwise kept, so a call in the steady
+ * state allocates nothing. A call lays out everything it needs first (its nested kernels' buffers
+ * too) and makes the block that large before any work: a call that cannot get its memory does
+ * nothing and returns TS_NOMEM. A buffer used inside a parallel region has one slot per thread
+ * number of the team, each on whole 64-byte lines. Per calling thread: ctypes lets go of the GIL,
+ * so two Python threads may call at once (the engine calls from its one compute thread). A thread's
+ * block is freed when the thread ends, or by ts_release_scratch(). */
+#define ALIGN 64
+
+typedef struct {
+    char *base;
+    size_t cap;
+} scratch_block;
+
+static _Thread_local scratch_block scratch;
+static _Thread_local i64 fail_at;        /* tests: the fail_at-th allocation from now fails (0: none) */
+static _Thread_local size_t failed;      /* the bytes of this thread's last allocation that failed */
+static pthread_key_t scratch_key;
+static pthread_once_t scratch_once = PTHREAD_ONCE_INIT;
+static int scratch_keyed;                 /* pthread_key_create succeeded */
+
+static void scratch_drop(void *block) {
+    scratch_block *b = (scratch_block *)block;
+    free(b->base);
+    b->base = NULL;
+    b->cap = 0;
+}
+
+static void scratch_key_make(void) { scratch_keyed = pthread_key_create(&scratch_key, scratch_drop) == 0; }
+
+static inline size_t lines(size_t bytes) { return (bytes + ALIGN - 1) & ~(size_t)(ALIGN - 1); }
+
+/* the one allocation of this file: makes this thread's block hold `bytes` (its old contents are not
+ * kept); TS_NOMEM where the memory is not there */
+static int scratch_reserve(size_t bytes) {
+    if (bytes <= scratch.cap) return TS_OK;
+    const size_t cap = lines(bytes);
+    scratch_drop(&scratch);
+    void *p = fail_at > 0 && --fail_at == 0 ? NULL : aligned_alloc(ALIGN, cap);
+    if (p == NULL) {
+        failed = cap;
+        return TS_NOMEM;
+    }
+    scratch.base = (char *)p;
+    scratch.cap = cap;
+    pthread_once(&scratch_once, scratch_key_make);
+    if (scratch_keyed) pthread_setspecific(scratch_key, &scratch);     /* freed at the thread's end */
+    return TS_OK;
+}
+
+/* frees the calling thread's scratch block (the next call makes it again) */
+void ts_release_scratch(void) { scratch_drop(&scratch); }
+/* the bytes the calling thread's block holds */
+i64 ts_scratch_bytes(void) { return (i64)scratch.cap; }
+/* the bytes of the calling thread's last allocation that failed */
+i64 ts_failed_bytes(void) { return (i64)failed; }
+/* tests: the n-th allocation the calling thread makes from now fails (n = 0: none fails) */
+void ts_fail_next_alloc(i64 n) { fail_at = n; }
+
+/* a layout cut from the block: first measured (base NULL), then cut for real (scratch_begin) */
+typedef struct {
+    char *base;
+    size_t used;
+    int bad;        /* a size out of range: no block is that large */
+} cut;
+
+/* `count` items of `size` bytes, on whole lines */
+static void *take(cut *c, i64 count, size_t size) {
+    const size_t room = c->used < SIZE_MAX / 4 ? SIZE_MAX / 4 - c->used : 0;
+    if (count < 0 || (size && (size_t)count > room / size)) {
+        c->bad = 1;
+        return NULL;
+    }
+    void *p = c->base ? c->base + c->used : NULL;
+    c->used += lines((size_t)count * size);
+    return p;
+}
+
+/* the measured layout's block, to cut the layout again from it; TS_NOMEM where it is not there */
+static int scratch_begin(cut *c) {
+    if (c->bad || scratch_reserve(c->used ? c->used : ALIGN) != TS_OK) {
+        if (c->bad) failed = SIZE_MAX;
+        return TS_NOMEM;
+    }
+    c->base = scratch.base;
+    c->used = 0;
+    return TS_OK;
 }
 
 /* ---- int8 activations (int8.py) ------------------------------------------------------------ */
@@ -529,19 +632,34 @@ void ts_unit_dots(const ts_weight *w, const int8_t *q, const int32_t *qsum, i64 
             }
 }
 
+/* ts_product_i8's buffers for B rows of up to K inputs: the rows quantized (ts_quantize_rows) */
+typedef struct {
+    int8_t *q;
+    float *da, *xs;
+    int32_t *qsum;
+} product_bufs;
+
+static void product_layout(cut *c, i64 B, i64 K, product_bufs *s) {
+    s->q = (int8_t *)take(c, B * K, 1);
+    s->da = (float *)take(c, B * (K / 32), sizeof(float));
+    s->xs = (float *)take(c, B * (K / 32), sizeof(float));
+    s->qsum = (int32_t *)take(c, B * (K / 16), sizeof(int32_t));
+}
+
+static void product_i8(const float *x, i64 B, const ts_weight *w, float *y, int nthreads, const product_bufs *s) {
+    ts_quantize_rows(x, B, w->K, s->q, s->da, s->xs, s->qsum, nthreads);
+    matmul_i8(w, s->q, s->da, s->xs, s->qsum, B, y, w->T * w->R, nthreads);
+}
+
 /* y [B, T*R] = x [B, K] times w, x's rows quantized to int8 per block of 32 */
-void ts_product_i8(const float *x, i64 B, const ts_weight *w, float *y, int nthreads) {
-    const i64 K = w->K;
-    int8_t *q = (int8_t *)malloc((size_t)(B * K));
-    float *da = (float *)malloc(sizeof(float) * (size_t)(B * (K / 32)));
-    float *xs = (float *)malloc(sizeof(float) * (size_t)(B * (K / 32)));
-    int32_t *qsum = (int32_t *)malloc(sizeof(int32_t) * (size_t)(B * (K / 16)));
-    ts_quantize_rows(x, B, K, q, da, xs, qsum, nthreads);
-    matmul_i8(w, q, da, xs, qsum, B, y, w->T * w->R, nthreads);
-    free(q);
-    free(da);
-    free(xs);
-    free(qsum);
+int ts_product_i8(const float *x, i64 B, const ts_weight *w, float *y, int nthreads) {
+    product_bufs s;
+    cut c = {NULL, 0, 0};
+    product_layout(&c, B, w->K, &s);
+    if (scratch_begin(&c) != TS_OK) return TS_NOMEM;
+    product_layout(&c, B, w->K, &s);
+    product_i8(x, B, w, y, nthreads, &s);
+    return TS_OK;
 }
 
 /* ---- float activations (cpu.py's fused kernels and the BLAS path's dequantizers) ------------ */
@@ -555,19 +673,36 @@ typedef struct {
     i64 T, nb, nd, R, K;
 } ts_fweight;
 
+/* one thread's buffers in ts_product_f32: acc [B, R], wt [32, R], s [R] */
+typedef struct { float *acc, *wt, *s; } f32_bufs;
+
+static f32_bufs f32_slot(cut *c, i64 B, i64 R) {
+    f32_bufs b;
+    b.acc = (float *)take(c, B * R, sizeof(float));
+    b.wt = (float *)take(c, 32 * R, sizeof(float));
+    b.s = (float *)take(c, R, sizeof(float));
+    return b;
+}
+
 /* y [B, T*R] = x [B, K] times w in float32: per block, w unpacked once into a float tile [32 or 16, R]
  * all rows reuse; per row and output row s = sum_j w[j] x[j] in j order, acc += d * s (+ m * sum(x)
  * for q4, the block's sum of x in j order). */
-void ts_product_f32(const float *x, i64 B, const ts_fweight *w, float *y, int nthreads) {
+int ts_product_f32(const float *x, i64 B, const ts_fweight *w, float *y, int nthreads) {
     const i64 T = w->T, nb = w->nb, R = w->R, K = w->K;
     const int q4 = w->m != NULL;
     const i64 S = 16, per = q4 ? 32 : 16, g = q4 ? 1 : nb / w->nd;
     int nt = threads_for(nthreads, T);
+    cut one = {NULL, 0, 0};
+    f32_slot(&one, B, R);
+    cut c = {NULL, 0, one.bad};
+    take(&c, nt, one.used);
+    if (scratch_begin(&c) != TS_OK) return TS_NOMEM;
+    char *slots = (char *)take(&c, nt, one.used);
 #pragma omp parallel num_threads(nt) if (nt > 1)
     {
-        float *acc = (float *)malloc(sizeof(float) * (size_t)(B * R));
-        float *wt = (float *)malloc(sizeof(float) * (size_t)(32 * R));
-        float *s = (float *)malloc(sizeof(float) * (size_t)R);
+        cut mine = {slots + (size_t)omp_get_thread_num() * one.used, 0, 0};
+        const f32_bufs b = f32_slot(&mine, B, R);
+        float *acc = b.acc, *wt = b.wt, *s = b.s;
 #pragma omp for schedule(static)
         for (i64 t = 0; t < T; t++) {
             memset(acc, 0, sizeof(float) * (size_t)(B * R));
@@ -605,10 +740,8 @@ void ts_product_f32(const float *x, i64 B, const ts_fweight *w, float *y, int nt
             }
             for (i64 i = 0; i < B; i++) memcpy(y + i * T * R + t * R, acc + i * R, sizeof(float) * (size_t)R);
         }
-        free(acc);
-        free(wt);
-        free(s);
     }
+    return TS_OK;
 }
 
 /* tiles t0.. of w -> out [K, cols] float32 (W.T), cols a multiple of R */
@@ -818,46 +951,41 @@ static void merge(float *o, float *m, float *t, const float *oc, const float *mc
 
 typedef struct { i64 r0, r1, c0, nc; } block;
 
+/* one thread's working floats in attention: sc [CHUNK] (a chunk's scores), then block_head's o, m, t
+ * and oc, mc, tc for up to N = ROWS * (H / G) query vectors */
+static inline i64 attend_slot(i64 N, i64 D) {
+    return (i64)(lines(sizeof(float) * (size_t)(CHUNK + 2 * N * D + 4 * N)) / sizeof(float));
+}
+
 /* block b's rows for KV head g into out [R, H*D]: from the partials at po/pm/pt + task*stride.. (task
- * >= 0), or else computed chunk by chunk here, each merged as it comes */
+ * >= 0), or else computed chunk by chunk here, each merged as it comes; `work` one thread's slot */
 static void block_head(const attn *A, const block *bl, i64 g, const float *po, const float *pm, const float *pt,
-                       i64 task, float *out) {
+                       i64 task, float *out, float *work) {
     const i64 M = A->H / A->c.G, D = A->c.D, n = (bl->r1 - bl->r0) * M, N = ROWS * M;
-    float *o = (float *)malloc(sizeof(float) * (size_t)(n * D)), *m = (float *)malloc(sizeof(float) * (size_t)n);
-    float *t = (float *)malloc(sizeof(float) * (size_t)n);
+    float *sc = work, *o = sc + CHUNK, *m = o + N * D, *t = m + N;
     for (i64 i = 0; i < n; i++) m[i] = EMPTY;
     if (task >= 0) {
         for (i64 c = 0; c < bl->nc; c++)
             merge(o, m, t, po + (task + c) * N * D, pm + (task + c) * N, pt + (task + c) * N, n, D);
     } else {
-        float *oc = (float *)malloc(sizeof(float) * (size_t)(n * D)), *mc = (float *)malloc(sizeof(float) * (size_t)n);
-        float *tc = (float *)malloc(sizeof(float) * (size_t)n), *sc = (float *)malloc(sizeof(float) * CHUNK);
+        float *oc = t + N, *mc = oc + N * D, *tc = mc + N;
         for (i64 c = bl->c0; c < bl->c0 + bl->nc; c++) {
             partial(A, bl->r0, bl->r1, g, c * CHUNK, (c + 1) * CHUNK, oc, mc, tc, sc);
             merge(o, m, t, oc, mc, tc, n, D);
         }
-        free(oc);
-        free(mc);
-        free(tc);
-        free(sc);
     }
     for (i64 i = 0; i < n; i++) {
         const i64 r = bl->r0 + i / M, h = g * M + i % M;
         const float inv = 1.0f / t[i];
         for (i64 d = 0; d < D; d++) out[r * A->H * D + h * D + d] = o[i * D + d] * inv;
     }
-    free(o);
-    free(m);
-    free(t);
 }
 
-/* out [R, H*D]: row r's query heads at position pos[r] of sequence seq[r] over its keys lo..pos[r] of
- * layer li (lo = pos[r] - window + 1, or 0); query head h reads KV head h / (H/G) */
-void ts_attend_rows(const float *q, i64 ldq, i64 R, const i64 *seq, const i64 *pos, const i64 *kv, int half, i64 li,
-                    i64 window, i64 H, i64 G, i64 D, float *out, int nthreads) {
-    attn A = {q, ldq, seq, pos, window, H, {kv, half, li, G, D}};
-    block *bl = (block *)malloc(sizeof(block) * (size_t)(R > 0 ? R : 1));
+/* rows 0..R-1 cut into blocks (up to ROWS rows of one sequence each, each with the chunks its rows
+ * read) into bl where not NULL; returns their number, *chunks their chunks in all */
+static i64 plan_blocks(const i64 *seq, const i64 *pos, i64 R, i64 window, block *bl, i64 *chunks) {
     i64 nb = 0;
+    *chunks = 0;
     for (i64 r = 0; r < R;) {
         i64 e = r + 1;
         while (e < R && e - r < ROWS && seq[e] == seq[r]) e++;
@@ -868,28 +996,61 @@ void ts_attend_rows(const float *q, i64 ldq, i64 R, const i64 *seq, const i64 *p
             c0 = a / CHUNK < c0 ? a / CHUNK : c0;
             c1 = (b - 1) / CHUNK > c1 ? (b - 1) / CHUNK : c1;
         }
-        bl[nb].r0 = r;
-        bl[nb].r1 = e;
-        bl[nb].c0 = c0;
-        bl[nb].nc = c1 - c0 + 1;
+        if (bl) {
+            bl[nb].r0 = r;
+            bl[nb].r1 = e;
+            bl[nb].c0 = c0;
+            bl[nb].nc = c1 - c0 + 1;
+        }
+        *chunks += c1 - c0 + 1;
         nb++;
         r = e;
     }
-    const int spread = nb * G < SPREAD_BELOW;
-    i64 *first = (i64 *)malloc(sizeof(i64) * (size_t)(nb + 1));
+    return nb;
+}
+
+/* ts_attend_rows's buffers: blocks bl [nb], first [nb + 1] (each block's first task, in blocks'
+ * tasks), the partials po [tasks, N, D], pm, pt [tasks, N] where spread, and nt threads' slots of
+ * `per` floats at work */
+typedef struct {
+    i64 nb, tasks, per;
+    int spread, nt;
+    block *bl;
+    i64 *first;
+    float *po, *pm, *pt, *work;
+} attend_bufs;
+
+static void attend_layout(cut *c, const i64 *seq, const i64 *pos, i64 R, i64 window, i64 H, i64 G, i64 D, int nthreads,
+                          attend_bufs *s) {
+    i64 chunks;
+    const i64 N = ROWS * (H / G);
+    s->nb = plan_blocks(seq, pos, R, window, NULL, &chunks);
+    s->spread = s->nb * G < SPREAD_BELOW;
+    s->tasks = G * (s->spread ? chunks : s->nb);
+    s->nt = threads_for(nthreads, s->tasks);
+    s->per = attend_slot(N, D);
+    s->bl = (block *)take(c, s->nb, sizeof(block));
+    s->first = (i64 *)take(c, s->nb + 1, sizeof(i64));
+    s->po = s->pm = s->pt = NULL;
+    if (s->spread) {
+        s->po = (float *)take(c, s->tasks * N * D, sizeof(float));
+        s->pm = (float *)take(c, s->tasks * N, sizeof(float));
+        s->pt = (float *)take(c, s->tasks * N, sizeof(float));
+    }
+    s->work = (float *)take(c, s->nt * s->per, sizeof(float));
+}
+
+static void attend_rows(const attn *A, i64 R, float *out, const attend_bufs *s) {
+    const i64 G = A->c.G, N = ROWS * (A->H / G), D = A->c.D, nb = s->nb, tasks = s->tasks;
+    const int spread = s->spread, nt = s->nt;
+    block *bl = s->bl;
+    i64 *first = s->first, chunks;
+    plan_blocks(A->seq, A->pos, R, A->window, bl, &chunks);
     first[0] = 0;
     for (i64 b = 0; b < nb; b++) first[b + 1] = first[b] + (spread ? bl[b].nc : 1);
-    const i64 tasks = G * first[nb], N = ROWS * (H / G);
-    float *po = NULL, *pm = NULL, *pt = NULL;
-    if (spread) {
-        po = (float *)malloc(sizeof(float) * (size_t)(tasks * N * D));
-        pm = (float *)malloc(sizeof(float) * (size_t)(tasks * N));
-        pt = (float *)malloc(sizeof(float) * (size_t)(tasks * N));
-    }
-    int nt = threads_for(nthreads, tasks);
 #pragma omp parallel num_threads(nt) if (nt > 1)
     {
-        float *sc = (float *)malloc(sizeof(float) * CHUNK);
+        float *work = s->work + (i64)omp_get_thread_num() * s->per;
         i64 b = 0;
 #pragma omp for schedule(dynamic, 1)
         for (i64 x = 0; x < tasks; x++) {
@@ -897,23 +1058,31 @@ void ts_attend_rows(const float *q, i64 ldq, i64 R, const i64 *seq, const i64 *p
             while (G * first[b] > x) b--;
             const i64 nc = spread ? bl[b].nc : 1, g = (x - G * first[b]) / nc, c = (x - G * first[b]) % nc;
             if (spread)
-                partial(&A, bl[b].r0, bl[b].r1, g, (bl[b].c0 + c) * CHUNK, (bl[b].c0 + c + 1) * CHUNK, po + x * N * D,
-                        pm + x * N, pt + x * N, sc);
+                partial(A, bl[b].r0, bl[b].r1, g, (bl[b].c0 + c) * CHUNK, (bl[b].c0 + c + 1) * CHUNK, s->po + x * N * D,
+                        s->pm + x * N, s->pt + x * N, work);
             else
-                block_head(&A, &bl[b], g, NULL, NULL, NULL, -1, out);
+                block_head(A, &bl[b], g, NULL, NULL, NULL, -1, out, work);
         }
-        free(sc);
     }
     if (spread)
         for (i64 bg = 0; bg < nb * G; bg++) {
             const i64 b = bg / G, g = bg % G;
-            block_head(&A, &bl[b], g, po, pm, pt, G * first[b] + g * bl[b].nc, out);
+            block_head(A, &bl[b], g, s->po, s->pm, s->pt, G * first[b] + g * bl[b].nc, out, s->work);
         }
-    free(po);
-    free(pm);
-    free(pt);
-    free(first);
-    free(bl);
+}
+
+/* out [R, H*D]: row r's query heads at position pos[r] of sequence seq[r] over its keys lo..pos[r] of
+ * layer li (lo = pos[r] - window + 1, or 0); query head h reads KV head h / (H/G) */
+int ts_attend_rows(const float *q, i64 ldq, i64 R, const i64 *seq, const i64 *pos, const i64 *kv, int half, i64 li,
+                   i64 window, i64 H, i64 G, i64 D, float *out, int nthreads) {
+    attn A = {q, ldq, seq, pos, window, H, {kv, half, li, G, D}};
+    attend_bufs s;
+    cut c = {NULL, 0, 0};
+    attend_layout(&c, seq, pos, R, window, H, G, D, nthreads, &s);
+    if (scratch_begin(&c) != TS_OK) return TS_NOMEM;
+    attend_layout(&c, seq, pos, R, window, H, G, D, nthreads, &s);
+    attend_rows(&A, R, out, &s);
+    return TS_OK;
 }
 
 /* ---- a whole layer (layer.py) ---------------------------------------------------------------- */
@@ -941,16 +1110,42 @@ static void norm(const float *x, const float *w, float eps, i64 n, float *out) {
     for (j = 0; j < n; j++) out[j] = x[j] / rms * w[j];
 }
 
-void ts_layer(const ts_layer_weights *L, float *x, i64 R, const i64 *seq, const i64 *pos, const i64 *kv, int half,
-              i64 li, i64 window, const float *cos, const float *sin, i64 rot, int nthreads) {
+/* ts_layer's buffers: h [R, dim], qkv [R, W], att [R, H*D], gu [R, 2F], a [R, F], then the products'
+ * and attention's, which never run at once, over the same bytes */
+typedef struct {
+    float *h, *qkv, *att, *gu, *a;
+    product_bufs p;
+    attend_bufs at;
+} layer_bufs;
+
+static void layer_layout(cut *c, const ts_layer_weights *L, i64 R, const i64 *seq, const i64 *pos, i64 window,
+                         int nthreads, layer_bufs *s) {
+    const i64 H = L->H, G = L->G, D = L->D, dim = L->dim, F = L->ffn;
+    s->h = (float *)take(c, R * dim, sizeof(float));
+    s->qkv = (float *)take(c, R * (H + 2 * G) * D, sizeof(float));
+    s->att = (float *)take(c, R * H * D, sizeof(float));
+    s->gu = (float *)take(c, R * 2 * F, sizeof(float));
+    s->a = (float *)take(c, R * F, sizeof(float));
+    i64 K = 0;
+    for (int k = 0; k < 4; k++) K = L->w[k].K > K ? L->w[k].K : K;
+    cut p = *c, at = *c;
+    product_layout(&p, R, K, &s->p);
+    attend_layout(&at, seq, pos, R, window, H, G, D, nthreads, &s->at);
+    c->used = p.used > at.used ? p.used : at.used;
+    c->bad |= p.bad | at.bad;
+}
+
+int ts_layer(const ts_layer_weights *L, float *x, i64 R, const i64 *seq, const i64 *pos, const i64 *kv, int half,
+             i64 li, i64 window, const float *cos, const float *sin, i64 rot, int nthreads) {
     const i64 H = L->H, G = L->G, D = L->D, dim = L->dim, F = L->ffn, W = (H + 2 * G) * D;
-    float *h = (float *)malloc(sizeof(float) * (size_t)(R * dim));
-    float *qkv = (float *)malloc(sizeof(float) * (size_t)(R * W));
-    float *att = (float *)malloc(sizeof(float) * (size_t)(R * H * D));
-    float *gu = (float *)malloc(sizeof(float) * (size_t)(R * 2 * F));
-    float *a = (float *)malloc(sizeof(float) * (size_t)(R * F));
+    layer_bufs s;
+    cut lay = {NULL, 0, 0};
+    layer_layout(&lay, L, R, seq, pos, window, nthreads, &s);
+    if (scratch_begin(&lay) != TS_OK) return TS_NOMEM;
+    layer_layout(&lay, L, R, seq, pos, window, nthreads, &s);
+    float *h = s.h, *qkv = s.qkv, *att = s.att, *gu = s.gu, *a = s.a;
     for (i64 r = 0; r < R; r++) norm(x + r * dim, L->norms, L->eps, dim, h + r * dim);
-    ts_product_i8(h, R, &L->w[0], qkv, nthreads);
+    product_i8(h, R, &L->w[0], qkv, nthreads, &s.p);
     kvset c = {kv, half, li, G, D};
     for (i64 r = 0; r < R; r++) {
         float *qr = qkv + r * W;
@@ -981,26 +1176,23 @@ void ts_layer(const ts_layer_weights *L, float *x, i64 R, const i64 *seq, const 
             }
         }
     }
-    ts_attend_rows(qkv, W, R, seq, pos, kv, half, li, window, H, G, D, att, nthreads);
-    ts_product_i8(att, R, &L->w[1], h, nthreads);
+    attn A = {qkv, W, seq, pos, window, H, c};
+    attend_rows(&A, R, att, &s.at);
+    product_i8(att, R, &L->w[1], h, nthreads, &s.p);
     for (i64 r = 0; r < R; r++) {
         float *xr = x + r * dim, *hr = h + r * dim;
         if (L->n_norms > 2) norm(hr, L->norms + 2 * dim, L->eps, dim, hr);
         for (i64 j = 0; j < dim; j++) xr[j] += hr[j];
         norm(xr, L->norms + dim, L->eps, dim, hr);
     }
-    ts_product_i8(h, R, &L->w[2], gu, nthreads);
+    product_i8(h, R, &L->w[2], gu, nthreads, &s.p);
     const float cg = (float)(2.0 * sqrt(2.0 / 3.14159265358979323846));
     for (i64 r = 0; r < R; r++) gate_row(gu + r * 2 * F, gu + r * 2 * F + F, a + r * F, F, L->gelu, cg);
-    ts_product_i8(a, R, &L->w[3], h, nthreads);
+    product_i8(a, R, &L->w[3], h, nthreads, &s.p);
     for (i64 r = 0; r < R; r++) {
         float *xr = x + r * dim, *hr = h + r * dim;
         if (L->n_norms > 3) norm(hr, L->norms + 3 * dim, L->eps, dim, hr);
         for (i64 j = 0; j < dim; j++) xr[j] += hr[j];
     }
-    free(h);
-    free(qkv);
-    free(att);
-    free(gu);
-    free(a);
+    return TS_OK;
 }

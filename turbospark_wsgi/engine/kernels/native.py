@@ -12,6 +12,11 @@ works, or TURBOSPARK_KERNELS=numba, the numba kernels run as before (KernelPlan 
 is missing (under a file lock, so N workers starting together build once), loaded once per process.
 The file's name holds a hash of the source, the path's flags and the compiler's file (path, size,
 time), so an upgrade never loads a stale build.
+
+NOTE(scratch): the kernels keep their working buffers in a block per calling thread, grown when a
+call needs more and kept for the next (native.c); a call whose memory is not there does nothing and
+raises MemoryError here. `release_scratch()` frees the calling thread's blocks (the registry has the
+compute thread run it after it unloads a model).
 """
 import ctypes
 import hashlib
@@ -26,7 +31,7 @@ from . import isa
 from .children import spawn, wait
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "native.c")
-ABI = 2
+ABI = 3
 _BASE = ("-O3", "-std=gnu11", "-fPIC", "-shared", "-fopenmp", "-ffp-contract=off", "-fno-math-errno")
 # what each path compiles with (x86: F16C converts the half-float KV caches; every AVX2 CPU has it)
 FLAGS = {
@@ -144,6 +149,14 @@ def load(path, directory=None):
         return lib
 
 
+def release_scratch():
+    """Frees the calling thread's scratch blocks in every Library this process loaded."""
+    with _LOCK:
+        libs = list(_LOADED.values())
+    for lib in libs:
+        lib.release_scratch()
+
+
 # ---- the C structures ---------------------------------------------------------------------------
 
 _p, _i64 = ctypes.c_void_p, ctypes.c_int64
@@ -204,13 +217,38 @@ class Library:
         lib.ts_attend_rows.argtypes = [p, i64, i64, p, p, p, i32, i64, i64, i64, i64, i64, p, i32]
         lib.ts_layer.argtypes = [p, p, i64, p, p, p, i32, i64, i64, p, p, i64, i32]
         lib.ts_to_half.argtypes = lib.ts_from_half.argtypes = [p, i64, p]
-        for f in (lib.ts_to_half, lib.ts_from_half, lib.ts_quantize_rows, lib.ts_product_i8, lib.ts_unit_dots, lib.ts_product_f32, lib.ts_dequant_t,
-                  lib.ts_attend_rows, lib.ts_layer):
+        lib.ts_fail_next_alloc.argtypes = [i64]
+        lib.ts_release_scratch.argtypes = []
+        for f in (lib.ts_to_half, lib.ts_from_half, lib.ts_quantize_rows, lib.ts_unit_dots, lib.ts_dequant_t,
+                  lib.ts_release_scratch, lib.ts_fail_next_alloc):
             f.restype = None
+        for f in (lib.ts_product_i8, lib.ts_product_f32, lib.ts_attend_rows, lib.ts_layer):   # TS_OK or TS_NOMEM
+            f.restype = i32
+        lib.ts_scratch_bytes.restype = lib.ts_failed_bytes.restype = i64
         self._lib = lib
 
     def __repr__(self):
         return f"Library({self.path!r}, {os.path.basename(self.file)!r})"
+
+    # -- scratch memory (NOTE(scratch))
+
+    def release_scratch(self):
+        """Frees the calling thread's scratch block (the next call makes it again)."""
+        self._lib.ts_release_scratch()
+
+    def scratch_bytes(self):
+        """The bytes the calling thread's scratch block holds."""
+        return self._lib.ts_scratch_bytes()
+
+    def fail_next_alloc(self, n):
+        """Tests: the n-th allocation the calling thread makes from now fails (0: none)."""
+        self._lib.ts_fail_next_alloc(n)
+
+    def _check(self, status, kernel):
+        if status:
+            wanted = self._lib.ts_failed_bytes()
+            size = f"{wanted} bytes" if wanted >= 0 else "a size out of range"
+            raise MemoryError(f"the C kernel {kernel} could not allocate its scratch memory ({size}); it did nothing")
 
     # -- weights, converted once and kept on the QWeight (`p.cw`)
 
@@ -240,7 +278,8 @@ class Library:
 
     def product_i8(self, x, p, y, threads):
         """y [B, T*R] float32 = x [B, K] float32 (C-contiguous) times QWeight p, int8 activations."""
-        self._lib.ts_product_i8(_addr(x), x.shape[0], self.weight(p).ref, _addr(y), threads)
+        self._check(self._lib.ts_product_i8(_addr(x), x.shape[0], self.weight(p).ref, _addr(y), threads),
+                    "ts_product_i8")
 
     def unit_dots(self, p, q, qsum):
         """The exact int32 dots of every unit: [B, T, nu, R] for int8 rows q [B, K] and qsum [B, K/16]."""
@@ -275,7 +314,8 @@ class Library:
 
     def product_f32(self, x, p, y, threads):
         """y [B, T*R] = x [B, K] times QWeight p with float32 activations (cpu.py's fused kernels)."""
-        self._lib.ts_product_f32(_addr(x), x.shape[0], self.float_weight(p).ref, _addr(y), threads)
+        self._check(self._lib.ts_product_f32(_addr(x), x.shape[0], self.float_weight(p).ref, _addr(y), threads),
+                    "ts_product_f32")
 
     def dequant_t(self, p, t0, out, threads):
         """Tiles t0.. of QWeight p -> out [K, cols] float32 (W.T; cols a multiple of p.tile)."""
@@ -285,8 +325,8 @@ class Library:
 
     def attend_rows(self, q, seq, pos, kv, half, li, window, H, G, D, out, threads):
         """out [R, H*D] = attention.attend_rows's rows: q [R, >= H*D] (row stride q.shape[1])."""
-        self._lib.ts_attend_rows(_addr(q), q.shape[1], q.shape[0], _addr(seq), _addr(pos), _addr(kv), int(half), li,
-                                 window, H, G, D, _addr(out), threads)
+        self._check(self._lib.ts_attend_rows(_addr(q), q.shape[1], q.shape[0], _addr(seq), _addr(pos), _addr(kv),
+                                             int(half), li, window, H, G, D, _addr(out), threads), "ts_attend_rows")
 
     def layer_weights(self, args, dim):
         """The C view of one layer from layer.layer_args's tuple."""
@@ -315,8 +355,8 @@ class Library:
         if x.dtype != np.float32 or not x.flags.c_contiguous:
             raise ValueError("the layer runs in place on a C-contiguous float32 x")
         seq, pos, cos, sin = _c(seq, np.int64), _c(pos, np.int64), _c(cos, np.float32), _c(sin, np.float32)
-        self._lib.ts_layer(weights.ref, _addr(x), x.shape[0], _addr(seq), _addr(pos), _addr(kv), int(half), li, window,
-                           _addr(cos), _addr(sin), cos.shape[-1], threads)
+        self._check(self._lib.ts_layer(weights.ref, _addr(x), x.shape[0], _addr(seq), _addr(pos), _addr(kv), int(half),
+                                       li, window, _addr(cos), _addr(sin), cos.shape[-1], threads), "ts_layer")
 
 
 def main(argv=None):
