@@ -202,6 +202,21 @@ def test_the_tiled_blocks_rebuilt_from_the_int8_layout_are_exact(gtype):
     assert np.array_equal(quant.dequantize(m), want_ref)
 
 
+def test_a_token_lookup_gathers_its_rows_without_copying_the_matrix():
+    import tracemalloc
+    rng = np.random.default_rng(1)
+    n, k = 2048, 512
+    m = quant.pack(quant.decode(_random_blocks(rng, 8, n, k), 8, (n, k)))
+    p = m.parts[0]
+    int8.prepare(p)
+    p.drop_tiled()
+    tracemalloc.start()
+    quant.embed_rows(m, [5])
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < p.qv.nbytes // 20        # a few rows' worth, not a transposed copy of qv
+
+
 def test_drop_tiled_needs_the_int8_layout():
     rng = np.random.default_rng(0)
     m = quant.pack(quant.decode(_random_blocks(rng, 2, 32, 64), 2, (32, 64)))

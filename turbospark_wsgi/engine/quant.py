@@ -323,11 +323,6 @@ def prepare(p):
     return p.qv
 
 
-def _unit_bytes(p):
-    """qv [T, nu, R/16, quads, 16, 4] -> uint8 [T, nu, R/16, 16 rows, quads * 4 bytes] (a view)."""
-    return p.qv.transpose(0, 1, 2, 4, 3, 5).reshape(*p.qv.shape[:3], LANES, -1)
-
-
 def unprepare(p):
     """QWeight p's tiled blocks (`qs`: [T, k/32 or k/16, 16, tile]) rebuilt from its int8 layout
     `qv`, the inverse of `prepare`."""
@@ -338,8 +333,9 @@ def unprepare(p):
 
 def block_rows(p, t, r):
     """Rows (tile t [N], lane r [N]) of QWeight p as quant.Blocks.q holds them, read from `qv`:
-    q4 uint8 [N, k/32, 16], q8 int8 [N, k/16, 16]."""
-    b = _unit_bytes(p)[t, :, r // LANES, r % LANES]                      # [N, nu, bytes per unit]
+    q4 uint8 [N, k/32, 16], q8 int8 [N, k/16, 16]. Only those rows are gathered (a token lookup
+    every step: PERF(embed))."""
+    b = p.qv[t, :, r // LANES, :, r % LANES]                        # [N, nu, quads, 4]
     b = b.reshape(len(t), -1, 16)
     return b if p.kind == "q4" else (b ^ np.uint8(128)).view(np.int8)
 
