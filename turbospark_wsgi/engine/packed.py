@@ -2,7 +2,7 @@
 mapped read-only, so that every worker and replica on the machine reads one copy from the page cache.
 
 The kernels do not read the file's blocks as stored (quant.py tiles rows so that one SIMD lane holds
-one row, int8.prepare interleaves them for `vpdpbusd`), so each process used to build the layout
+one row, quant.prepare interleaves them for `vpdpbusd`), so each process used to build the layout
 and hold it privately: two gunicorn workers of a model paid for it twice. A `Store` makes the first
 process to load a model write the layout (`Writer`, matrix by matrix, each mapped back as soon as it
 is written, so a load never holds more than one matrix privately) and every later one map it
@@ -31,7 +31,7 @@ MAGIC = b"TSPACK01"
 ALIGN = 64
 PREFIX = "turbospark-weights-"
 # the modules whose code decides the bytes written (a change to any of them makes a new file)
-_LAYOUT_CODE = ("quant.py", "weights.py", "packed.py", os.path.join("kernels", "int8.py"))
+_LAYOUT_CODE = ("quant.py", "weights.py", "packed.py")
 _DTYPES = {"uint8", "int8", "float16", "float32"}
 # PERF(one-layout): Q4_K / Q6_K keep float32 scales (quant, NOTE(scales-f16)): up to ~1.6x the file's bytes
 _GROWTH = 1.6
@@ -104,10 +104,9 @@ def identity(path):
 def _arrays(p):
     """The arrays of QWeight p a packed file keeps, by field name: its int8 layout where the int8
     kernels take it (prepared here), else its tiled blocks; the scales and mins as it keeps them."""
-    from .kernels import int8
     held = {}
-    if int8.fits(p):
-        int8.prepare(p)
+    if quant.fits(p):
+        quant.prepare(p)
         held["qv"] = p.qv
     else:
         held["tiled"] = p.tiled
@@ -156,7 +155,7 @@ class Writer:
             pad = -self.file.tell() % ALIGN
             self.file.write(b"\0" * pad)
             specs[field] = [self.file.tell(), str(a.dtype), list(a.shape)]
-            self.file.write(np.ascontiguousarray(a).tobytes())
+            self.file.write(np.ascontiguousarray(a).reshape(-1).view(np.uint8).data)   # no copy of it
         self.file.flush()
         return {"kind": p.kind, "n": p.n, "k": p.k, "arrays": specs}
 
@@ -184,10 +183,7 @@ class Writer:
 
     def abort(self):
         self.file.close()
-        try:
-            os.unlink(self.tmp)
-        except FileNotFoundError:
-            pass
+        _unlink(self.tmp)
         self.lock.close()
 
 
