@@ -75,11 +75,13 @@ def float32_form(p):
 
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("qtype, scale", [("Q4_0", 1), ("Q4_0", 0.1), ("Q4_1", 1), ("Q4_1", 0.1), ("Q8_0", 1),
-                                          ("Q8_0", 0.1), ("Q5_0", 1), ("Q4_K", 1), ("Q6_K", 1)])
+                                          ("Q8_0", 0.1), ("Q5_0", 1), ("Q4_K", 1), ("Q4_K", 0.1),
+                                          ("Q6_K", 1), ("Q6_K", 0.1)])
 def test_half_scales_and_implied_mins_give_the_float32_layouts_bits(libs, qtype, scale, path):
-    """Scales read as half floats (or float32 where a product is no half float exactly) and Q4_0's
-    mins computed as -8d in the kernel: every product bit for bit what the float32 layout gives, on
-    every path, and the reference's numbers."""
+    """Scales read as half floats (or float32 where a product is no half float exactly), the K-quants'
+    integer scales and mins times their super scales (quant, NOTE(k-scales)), and Q4_0's mins
+    computed as -8d in the kernel: every product bit for bit what the float32 layout gives, on every
+    path, and the reference's numbers."""
     from turbospark_wsgi.engine import quant
     from test_quant_kernels import GT, random_raw, row_len
     n, k = 64, row_len(qtype, 8)
@@ -92,6 +94,10 @@ def test_half_scales_and_implied_mins_give_the_float32_layouts_bits(libs, qtype,
     libs[path].product_i8(x, wide, y32, 2)
     assert np.array_equal(y, y32)
     close(y, kernels_q8.matmul_ref(x, w))
+    for rows in (x[:1], x[:3]):              # below PERF(k-scales-rows)'s count: the scales read as kept
+        one = np.empty((len(rows), n), np.float32)
+        libs[path].product_i8(rows, p, one, 2)
+        assert np.array_equal(one, y32[:len(rows)])
     yn = np.empty_like(y)
     kernels_q8.matmul(x, p, yn, PATHS[0])                           # numba: float32 views of the scales
     close(yn, y)

@@ -232,3 +232,18 @@ def test_the_weight_cache_is_beside_the_models_directory_unless_set(tmp_path):
     assert Config(models_dir=str(models)).engine_options().weight_cache == str(tmp_path / "cache" / "weights")
     env = Config.from_env({"TURBOSPARK_WEIGHT_CACHE": "OFF", "TURBOSPARK_MODELS": str(models)})
     assert weight_cache_dir(env) == ""
+
+
+@pytest.mark.parametrize("gtype", [12, 14])
+def test_k_quant_super_scales_travel_in_the_packed_file(gtype):
+    """NOTE(k-scales): a Q4_K/Q6_K weight keeps its integer scales under float32 super scales; the
+    packed file's arrays hold both, and the weight rebuilt from them gives the same numbers."""
+    rng = np.random.default_rng(gtype)
+    m = quant.pack(quant.decode(_random_blocks(rng, gtype, 64, 512), gtype, (64, 512)))
+    p = m.parts[0]
+    held = packed._arrays(p)
+    assert {"qv", "d", "ds"} <= set(held) and ("ms" in held) == (gtype == 12)
+    entry = {"kind": p.kind, "n": p.n, "k": p.k, "arrays": {name: (name,) for name in held}}
+    back = packed._weight(entry, lambda name: held[name])              # as a Reader rebuilds it
+    assert back.ds is held["ds"] and back.ms is held.get("ms")
+    assert np.array_equal(quant.dequantize(back), quant.dequantize(p))

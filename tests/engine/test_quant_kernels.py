@@ -209,11 +209,10 @@ def test_row_permutation_and_power_of_two_scale(qtype):
 
 @pytest.mark.parametrize("qtype, scale, half, kept_mins", [
     ("Q4_0", 1, True, False), ("Q4_0", 0.125, True, False), ("Q4_0", 0.1, False, False), ("Q4_1", 1, True, True),
-    ("Q4_1", 0.1, False, True), ("Q5_0", 1, True, False), ("Q8_0", 1, True, False), ("Q4_K", 1, False, True),
-    ("Q6_K", 1, False, False)])
+    ("Q4_1", 0.1, False, True), ("Q5_0", 1, True, False), ("Q8_0", 1, True, False)])
 def test_scales_are_half_floats_where_exact_and_q4_0_keeps_no_mins(qtype, scale, half, kept_mins):
     """NOTE(scales-f16): the file's float16 scales stay float16 (a power-of-two scaling too); products
-    such as Q4_K's d * scale, or a scaling by 0.1, stay float32; Q4_0's mins (-8d) are not kept. The
+    such as a scaling by 0.1 stay float32; Q4_0's mins (-8d) are not kept. The
     float32 values a QWeight gives back are the decoded ones exactly."""
     rng = np.random.default_rng(9)
     n, k = 48, row_len(qtype, 8)
@@ -230,6 +229,35 @@ def test_scales_are_half_floats_where_exact_and_q4_0_keeps_no_mins(qtype, scale,
     want = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "Q5_0": 34}.get(qtype) if half else None
     if want:
         assert (p.qs.nbytes + p.d.nbytes + (0 if p.m is None else p.m.nbytes)) * 32 == want * n * k
+
+
+@pytest.mark.parametrize("qtype, scale", [("Q4_K", 1), ("Q4_K", 0.1), ("Q6_K", 1), ("Q6_K", 0.125)])
+def test_k_quants_keep_their_scales_in_two_levels(qtype, scale):
+    """NOTE(k-scales): Q4_K keeps its 6-bit scales and mins as uint8 and Q6_K its int8 scales, under
+    float32 super scales per 256 weights; the float32 values a QWeight gives back are the decoded
+    ones exactly (a row scaling, e.g. the folded query scale, scales the super scales), and the
+    bytes per 32 weights are 19 (Q4_K) and 34.5 (Q6_K) against the float form's 24 and 40."""
+    rng = np.random.default_rng(10)
+    n, k = 48, row_len(qtype, 8)
+    raw = random_raw(qtype, n, k, rng)
+    b = quant.decode(raw, GT[qtype].value, (n, k)).scaled(scale)
+    p = quant.pack(b, tile=16).parts[0]
+    assert p.d.dtype == (np.uint8 if qtype == "Q4_K" else np.int8) and p.ds.dtype == np.float32
+    assert p.group == (8 if qtype == "Q4_K" else 16)
+    assert (p.m is None) == (qtype == "Q6_K") and (p.m is None or p.m.dtype == np.uint8)
+    back = quant.untile(p)
+    np.testing.assert_array_equal(back.d, b.d)
+    if b.m is not None:
+        np.testing.assert_array_equal(back.m, b.m)
+    np.testing.assert_allclose(quant.dequantize(p), reference(raw, qtype, n, k) * np.float32(scale),
+                               rtol=1e-6, atol=1e-7)
+    held = p.qs.nbytes + sum(a.nbytes for a in (p.d, p.m, p.ds, p.ms) if a is not None)
+    assert held * 32 == {"Q4_K": 19, "Q6_K": 34.5}[qtype] * n * k
+    t, r = np.array([0, 2, 1]), np.array([3, 15, 0])
+    d, m = p.lane_scales(t, r)
+    np.testing.assert_array_equal(d, back.d[t * 16 + r])
+    if m is not None:
+        np.testing.assert_array_equal(m, back.m[t * 16 + r])
 
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q6_K", "Q4_0", "Q4_1"])

@@ -111,15 +111,17 @@ def _arrays(p):
     else:
         held["tiled"] = p.tiled
     held["d"] = p.d
-    if p.m is not None:
-        held["m"] = p.m
+    for name in ("m", "ds", "ms"):
+        if getattr(p, name) is not None:
+            held[name] = getattr(p, name)
     return held
 
 
 def _weight(part, view):
     """A QWeight from an index entry, its arrays made by `view(offset, dtype, shape)`."""
     a = {name: view(*spec) for name, spec in part["arrays"].items()}
-    return quant.QWeight(part["kind"], part["n"], part["k"], a.get("tiled"), a["d"], a.get("m"), qv=a.get("qv"))
+    return quant.QWeight(part["kind"], part["n"], part["k"], a.get("tiled"), a["d"], a.get("m"),
+                         qv=a.get("qv"), ds=a.get("ds"), ms=a.get("ms"))
 
 
 class Writer:

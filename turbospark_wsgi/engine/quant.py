@@ -14,10 +14,18 @@ that one SIMD lane holds one row (byte j of a block for rows r..r+tile is contig
 
 NOTE(scales-f16): a QWeight keeps its scales (and mins) as float16 where every one of them is a
 float16 exactly (GGUF stores Q4_0/Q4_1/Q5_0/Q8_0's as float16; a power-of-two row scaling keeps
-them so unless one leaves the half range), else as float32 (Q4_K's d * scale and dmin * min, Q6_K's
-d * scale); a q4 weight whose mins are all -8d (Q4_0) keeps none (m None). The kernels convert,
-so the values, and every product's bits, are those of the float32 form. Q4_0 then reads 16 + 2
-bytes per 32 weights, as the file's blocks; Q8_0 32 + 2.
+them so unless one leaves the half range), else as float32; a q4 weight whose mins are all -8d
+(Q4_0) keeps none (m None). The kernels convert, so the values, and every product's bits, are those
+of the float32 form. Q4_0 then reads 16 + 2 bytes per 32 weights, as the file's blocks; Q8_0 32 + 2.
+
+NOTE(k-scales): the K-quants keep their scales in two levels as the file does: Q4_K's 6-bit scale
+and min per 32 weights as uint8 (QWeight.d, .m) under a float32 d and -dmin per 256 (.ds, .ms);
+Q6_K's int8 scale per 16 under a float32 d per 256. Every value d = sc * ds is one float32 rounding
+of the same product the float form held, so the bits stay those of the float32 form; a row scaling
+(the folded query scale) scales ds and ms. Q4_K reads 16 + 1 + 1 + 8/8 = 19 bytes per 32 weights
+(file: 18; float32 scales and mins: 24), Q6_K 32 + 2 + 0.5 per 32 (file: 26.25 at 6 bits; float32
+scales: 40). A fused matrix whose parts are different K-quants, or a K-quant beside another type,
+keeps float32 scales.
 
 PERF(scales-f16): decode reads every weight once a token, so its rate follows these bytes. The 1.1B
 Q4_0 llama of tools/make_bench_model.py (Q8_0 tied head): 843 -> 654 MB a token, the worker's blocks
@@ -36,6 +44,32 @@ SUB = 16         # weights per q8 sub-block (and bytes per q4 block)
 
 
 @dataclass(slots=True)
+class KScales:
+    """A K-quant's two-level scales (NOTE(k-scales)): d = sc * ds and m = mn * ms, the sub-block
+    integers sc, mn [n, units] as the file holds them and one float32 super scale per `group` units
+    (ds, ms [n, units/group]; ms = -dmin, so m = -(dmin * mn) exactly as the float form)."""
+
+    sc: np.ndarray   # Q4_K: uint8 (6-bit scales); Q6_K: int8
+    ds: np.ndarray
+    mn: object       # Q4_K: uint8 (6-bit mins); Q6_K: None
+    ms: object
+
+    @property
+    def group(self):
+        return self.sc.shape[1] // self.ds.shape[1]
+
+    def values(self):
+        """(d, m) in float32 [n, units]: each a single rounding of the integer times its super scale."""
+        def mul(q, s):
+            return None if q is None else q.astype(np.float32) * np.repeat(s, self.group, axis=1)
+        return mul(self.sc, self.ds), mul(self.mn, self.ms)
+
+    def map(self, fn):
+        return KScales(fn(self.sc), fn(self.ds), None if self.mn is None else fn(self.mn),
+                       None if self.ms is None else fn(self.ms))
+
+
+@dataclass(slots=True)
 class Blocks:
     """Row-major decoded blocks of an [n, k] weight (rows = output features)."""
 
@@ -43,6 +77,13 @@ class Blocks:
     q: np.ndarray    # q4: uint8 [n, k/32, 16]; q8: int8 [n, k/16, 16]
     d: np.ndarray    # float32 [n, k/32] (q4) or [n, k/(16*group)] (q8)
     m: object        # float32 [n, k/32] (q4) or None (q8)
+    ks: object = None   # KScales d and m are made of (Q4_K, Q6_K), or None
+
+    @classmethod
+    def factored(cls, kind, q, ks):
+        """Blocks whose scales are K-quant KScales `ks` (d and m computed from them)."""
+        d, m = ks.values()
+        return cls(kind, q, d, m, ks)
 
     @property
     def shape(self):
@@ -51,11 +92,17 @@ class Blocks:
 
     def map_rows(self, fn):
         """A copy with `fn` applied to every array along its row axis (e.g. a row permutation)."""
-        return Blocks(self.kind, fn(self.q), fn(self.d), None if self.m is None else fn(self.m))
+        return Blocks(self.kind, fn(self.q), fn(self.d), None if self.m is None else fn(self.m),
+                      None if self.ks is None else self.ks.map(fn))
 
     def scaled(self, s):
-        """A copy whose values are multiplied by `s` (exact when s is a power of two)."""
+        """A copy whose values are multiplied by `s` (exact when s is a power of two; K-quant
+        scales scale their super scales, d and m recomputed from them)."""
         s = np.float32(s)
+        if self.ks is not None:
+            ks = self.ks
+            return Blocks.factored(self.kind, self.q, KScales(ks.sc, ks.ds * s, ks.mn,
+                                                              None if ks.ms is None else ks.ms * s))
         return Blocks(self.kind, self.q, self.d * s, None if self.m is None else self.m * s)
 
 
@@ -76,6 +123,8 @@ class QWeight:
     m: object        # q4 mins of d's type [T, k/32, tile], or None (q8; q4: m = -8d)
     qv: object = None   # the int8-activation kernels' layout, built on first use (quant.prepare)
     cw: object = None   # the kernels' views of it (kernels/native.py, float_scales), built on first use
+    ds: object = None   # K-quants (NOTE(k-scales)): d, m hold the integer sub-scales and mins and
+    ms: object = None   # these the float32 super scales [T, nu/group, tile] (value = d * ds, m * ms)
 
     @property
     def qs(self):
@@ -100,21 +149,42 @@ class QWeight:
         return self.d.shape[0]
 
     @property
+    def group(self):
+        """Units per super scale (K-quants), or 0."""
+        return 0 if self.ds is None else self.d.shape[1] // self.ds.shape[1]
+
+    @property
     def scales(self):
-        """d as float32 (a new array where d is float16)."""
-        return self.d.astype(np.float32, copy=False)
+        """d as float32 (a new array where d is float16 or K-quant sub-scales)."""
+        return _times(self.d, self.ds)
 
     @property
     def mins(self):
         """The q4 mins as float32 (-8d where none are kept), or None for q8."""
         if self.kind != "q4":
             return None
-        return self.scales * np.float32(-8) if self.m is None else self.m.astype(np.float32, copy=False)
+        return self.scales * np.float32(-8) if self.m is None else _times(self.m, self.ms)
+
+    def lane_scales(self, t, r):
+        """(d, m) of the rows (tile t [N], lane r [N]) in float32 [N, units] (m None for q8)."""
+        d = _times(self.d[t, ..., r], None if self.ds is None else self.ds[t, ..., r])
+        if self.kind == "q8":
+            return d, None
+        if self.m is None:
+            return d, d * np.float32(-8)
+        return d, _times(self.m[t, ..., r], None if self.ms is None else self.ms[t, ..., r])
 
     @property
     def nbytes(self):
-        extra = [a.nbytes for a in (self.tiled, self.m, self.qv) if a is not None]
+        extra = [a.nbytes for a in (self.tiled, self.m, self.qv, self.ds, self.ms) if a is not None]
         return self.d.nbytes + sum(extra)
+
+
+def _times(q, s):
+    """q as float32, times its super scales s (repeated along the unit axis, 1) where given."""
+    if s is None:
+        return q.astype(np.float32, copy=False)
+    return q.astype(np.float32) * np.repeat(s, q.shape[1] // s.shape[1], axis=1)
 
 
 @dataclass(slots=True)
@@ -194,20 +264,19 @@ def _q4_k(raw):
     qs = raw[..., 16:144].reshape(n, nsb, 4, 1, 32)                    # 4 chunks of 64 weights
     v = np.concatenate([qs & 15, qs >> 4], axis=3).reshape(n, nsb * 8, 32)   # sub-block values
     q = v[..., :16] | (v[..., 16:] << 4)                                # q4 nibble order
-    dd = (d[..., None] * sc.astype(np.float32)).reshape(n, -1)
-    mm = (dmin[..., None] * mn.astype(np.float32)).reshape(n, -1)
-    return Blocks("q4", np.ascontiguousarray(q), dd, -mm)
+    ks = KScales(sc.reshape(n, -1), d, mn.reshape(n, -1), -dmin)      # m = -(dmin * mn)
+    return Blocks.factored("q4", np.ascontiguousarray(q), ks)
 
 
 def _q6_k(raw):
     n, nsb, _ = raw.shape
     ql, qh = raw[..., 0:128].reshape(n, nsb, 2, 2, 32), raw[..., 128:192].reshape(n, nsb, 2, 1, 32)
-    sc = np.ascontiguousarray(raw[..., 192:208]).view(np.int8).astype(np.float32)   # [n, nsb, 16]
+    sc = np.ascontiguousarray(raw[..., 192:208]).view(np.int8)         # [n, nsb, 16]
     lo = np.concatenate([ql & 15, ql >> 4], axis=3)                     # [n, nsb, 2, 4, 32]
     hi = (qh >> np.array([0, 2, 4, 6], np.uint8)[:, None]) & 3          # [n, nsb, 2, 4, 32]
     q = ((lo | (hi << 4)).astype(np.int16) - 32).astype(np.int8)
-    d = (_f16(raw, 208)[..., None] * sc).reshape(n, -1)                 # one scale per 16
-    return Blocks("q8", q.reshape(n, -1, SUB), d, None)
+    ks = KScales(sc.reshape(n, -1), _f16(raw, 208), None, None)        # one scale per 16
+    return Blocks.factored("q8", q.reshape(n, -1, SUB), ks)
 
 
 _DECODERS = {"Q8_0": _q8_0, "Q5_0": _q5_0, "Q4_0": _q4_0, "Q4_1": _q4_1, "Q4_K": _q4_k, "Q6_K": _q6_k}
@@ -246,9 +315,16 @@ def _fusable(a, b):
 def _concat(group):
     if len(group) == 1:
         return group[0]
-    m = None if group[0].m is None else np.concatenate([g.m for g in group])
-    return Blocks(group[0].kind, np.concatenate([g.q for g in group]),
-                  np.concatenate([g.d for g in group]), m)
+    cat = np.concatenate
+    m = None if group[0].m is None else cat([g.m for g in group])
+    # K-quant scales stay factored only where every part is the same K-quant (else float32 d, m)
+    kinds = {None if g.ks is None else (g.ks.sc.dtype, g.ks.group, g.ks.mn is None) for g in group}
+    ks = None
+    if len(kinds) == 1 and None not in kinds:
+        ks = KScales(cat([g.ks.sc for g in group]), cat([g.ks.ds for g in group]),
+                     None if group[0].ks.mn is None else cat([g.ks.mn for g in group]),
+                     None if group[0].ks.ms is None else cat([g.ks.ms for g in group]))
+    return Blocks(group[0].kind, cat([g.q for g in group]), cat([g.d for g in group]), m, ks)
 
 
 def _tile(b, tile):
@@ -261,6 +337,9 @@ def _tile(b, tile):
         a = a.reshape(-1, tile, *a.shape[1:])
         return np.ascontiguousarray(np.moveaxis(a, 1, -1))
 
+    if b.ks is not None:                                                # NOTE(k-scales)
+        ks = b.ks.map(lambda a: None if a is None else lanes(a))
+        return QWeight(b.kind, n, k, lanes(b.q), ks.sc, ks.mn, ds=ks.ds, ms=ks.ms)
     d, m = _compact(lanes(b.d), None if b.m is None else lanes(b.m))
     return QWeight(b.kind, n, k, lanes(b.q), d, m)
 
@@ -384,8 +463,6 @@ def embed_rows(w, ids):
         if sel.any():
             local = ids[sel] - start
             t, r = local // p.tile, local % p.tile
-            d = p.d[t, ..., r].astype(np.float32)
-            m = None if p.kind == "q8" else d * np.float32(-8) if p.m is None else p.m[t, ..., r].astype(np.float32)
-            out[sel] = dequantize_blocks(Blocks(p.kind, _block_rows(p, t, r), d, m))
+            out[sel] = dequantize_blocks(Blocks(p.kind, _block_rows(p, t, r), *p.lane_scales(t, r)))
         start += p.n
     return out

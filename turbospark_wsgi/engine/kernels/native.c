@@ -41,7 +41,7 @@ static inline int omp_get_thread_num(void) { return 0; }
 #ifndef TS_PATH
 #define TS_PATH 4
 #endif
-#define TS_ABI 3
+#define TS_ABI 4
 #define TS_OK 0
 #define TS_NOMEM 1
 
@@ -313,15 +313,19 @@ static int scratch_begin(cut *c) {
 /* ---- int8 activations (int8.py) ------------------------------------------------------------ */
 
 /* A quantized weight as the int8 kernels read it (int8.prepare): qv u8 [T, nu, R/16, quads, 16, 4],
- * d and m (q4 mins, or NULL) [T, nu, R], half floats where `half`, else f32; `mins` 0: q8 (none),
- * 1: q4 with m, 2: q4 with m = -8d (Q4_0, no m kept: quant.py, NOTE(scales-f16)); K inputs, T*R
- * outputs. */
+ * d and m (q4 mins, or NULL) [T, nu, R]: `half` 0: f32, 1: half floats, 2: K-quant integers (q4:
+ * uint8, q8: int8) times the f32 super scales ds, ms [T, nu/group, R] (quant.py, NOTE(k-scales));
+ * `mins` 0: q8 (none), 1: q4 with m, 2: q4 with m = -8d (Q4_0, no m kept: quant.py,
+ * NOTE(scales-f16)); K inputs, T*R outputs. */
 typedef struct {
     const uint8_t *qv;
     const void *d;
     const void *m;
     i64 T, nu, R, K;
     i64 half, mins;
+    const float *ds;
+    const float *ms;
+    i64 group;
 } ts_weight;
 
 /* x [B, K] -> q [B, K] int8, d [B, K/32] (max|x| / 127 per block), xs [B, K/32] (d * sum(q)),
@@ -387,16 +391,23 @@ ALWAYS vi unit_dot(const uint8_t *w, const int8_t *a, int quads, int nib, int32_
 ALWAYS void vi_store(int32_t *out, vi v) { _mm512_storeu_si512((void *)out, v); }
 ALWAYS vf vf_zero(void) { return _mm512_setzero_ps(); }
 ALWAYS void vf_store(float *p, vf v) { _mm512_storeu_ps(p, v); }
-/* 16 scales from p: half floats (converted exactly) or f32 */
-ALWAYS vf vf_scales(const void *p, int half) {
+/* 16 scales from p: half floats (converted exactly), f32, or (half 2) integers (int8 where sgn,
+ * else uint8) times their f32 super scales `sup` */
+ALWAYS vf vf_scales(const void *p, const float *sup, int half, int sgn) {
+    if (half == 2) {
+        const __m128i b = _mm_loadu_si128((const __m128i *)p);
+        const __m512i i = sgn ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b);
+        return _mm512_mul_ps(_mm512_cvtepi32_ps(i), _mm512_loadu_ps(sup));
+    }
     return half ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)) : _mm512_loadu_ps((const float *)p);
 }
 /* acc + (d * s) * dots, then + m * x for q4 (mins 1: m loaded; 2: m = -8d, exact in f32) */
-ALWAYS vf vf_update(vf acc, const void *d, float s, vi dots, const void *m, float x, int half, int mins) {
-    const vf dv = vf_scales(d, half);
+ALWAYS vf vf_update(vf acc, const void *d, const float *ds, float s, vi dots, const void *m, const float *ms, float x,
+                    int half, int mins) {
+    const vf dv = vf_scales(d, ds, half, mins == 0);
     acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_mul_ps(dv, _mm512_set1_ps(s)), _mm512_cvtepi32_ps(dots)));
     if (!mins) return acc;
-    const vf mv = mins == 2 ? _mm512_mul_ps(dv, _mm512_set1_ps(-8.0f)) : vf_scales(m, half);
+    const vf mv = mins == 2 ? _mm512_mul_ps(dv, _mm512_set1_ps(-8.0f)) : vf_scales(m, ms, half, 0);
     return _mm512_add_ps(acc, _mm512_mul_ps(mv, _mm512_set1_ps(x)));
 }
 #elif TS_PATH == 1 || TS_PATH == 2
@@ -465,18 +476,25 @@ ALWAYS void vf_store(float *p, vf v) {
     _mm256_storeu_ps(p, v.h[0]);
     _mm256_storeu_ps(p + 8, v.h[1]);
 }
-/* 8 scales from p + 8h: half floats (F16C, exact) or f32 */
-ALWAYS __m256 scales8(const void *p, int h, int half) {
+/* 8 scales from p + 8h: half floats (F16C, exact), f32, or (half 2) integers (int8 where sgn, else
+ * uint8) times their f32 super scales `sup` + 8h */
+ALWAYS __m256 scales8(const void *p, const float *sup, int h, int half, int sgn) {
+    if (half == 2) {
+        const __m128i b = _mm_loadl_epi64((const __m128i *)((const uint8_t *)p + 8 * h));
+        const __m256i i = sgn ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b);
+        return _mm256_mul_ps(_mm256_cvtepi32_ps(i), _mm256_loadu_ps(sup + 8 * h));
+    }
     return half ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + 8 * h)))
                 : _mm256_loadu_ps((const float *)p + 8 * h);
 }
-ALWAYS vf vf_update(vf acc, const void *d, float s, vi dots, const void *m, float x, int half, int mins) {
+ALWAYS vf vf_update(vf acc, const void *d, const float *ds, float s, vi dots, const void *m, const float *ms, float x,
+                    int half, int mins) {
     const __m256 S = _mm256_set1_ps(s), X = _mm256_set1_ps(x);
     for (int h = 0; h < 2; h++) {
-        const __m256 dv = scales8(d, h, half);
+        const __m256 dv = scales8(d, ds, h, half, mins == 0);
         acc.h[h] = _mm256_add_ps(acc.h[h], _mm256_mul_ps(_mm256_mul_ps(dv, S), _mm256_cvtepi32_ps(dots.h[h])));
         if (mins) {
-            const __m256 mv = mins == 2 ? _mm256_mul_ps(dv, _mm256_set1_ps(-8.0f)) : scales8(m, h, half);
+            const __m256 mv = mins == 2 ? _mm256_mul_ps(dv, _mm256_set1_ps(-8.0f)) : scales8(m, ms, h, half, 0);
             acc.h[h] = _mm256_add_ps(acc.h[h], _mm256_mul_ps(mv, X));
         }
     }
@@ -528,15 +546,19 @@ ALWAYS vi unit_dot(const uint8_t *w, const int8_t *a, int quads, int nib, int32_
 ALWAYS void vi_store(int32_t *out, vi v) { memcpy(out, v.v, sizeof(v.v)); }
 ALWAYS vf vf_zero(void) { vf z; for (int l = 0; l < LANES; l++) z.v[l] = 0.0f; return z; }
 ALWAYS void vf_store(float *p, vf v) { memcpy(p, v.v, sizeof(v.v)); }
-/* scale l of p: a half float (converted exactly) or f32 */
-ALWAYS float scale_at(const void *p, int l, int half) {
+/* scale l of p: a half float (converted exactly), f32, or (half 2) an integer (int8 where sgn, else
+ * uint8) times its f32 super scale sup[l] */
+ALWAYS float scale_at(const void *p, const float *sup, int l, int half, int sgn) {
+    if (half == 2)
+        return (float)(sgn ? ((const int8_t *)p)[l] : ((const uint8_t *)p)[l]) * sup[l];
     return half ? h2f(((const uint16_t *)p)[l]) : ((const float *)p)[l];
 }
-ALWAYS vf vf_update(vf acc, const void *d, float s, vi dots, const void *m, float x, int half, int mins) {
-    for (int l = 0; l < LANES; l++) acc.v[l] += (scale_at(d, l, half) * s) * (float)dots.v[l];
+ALWAYS vf vf_update(vf acc, const void *d, const float *ds, float s, vi dots, const void *m, const float *ms, float x,
+                    int half, int mins) {
+    for (int l = 0; l < LANES; l++) acc.v[l] += (scale_at(d, ds, l, half, mins == 0) * s) * (float)dots.v[l];
     if (mins)
         for (int l = 0; l < LANES; l++)
-            acc.v[l] += (mins == 2 ? scale_at(d, l, half) * -8.0f : scale_at(m, l, half)) * x;
+            acc.v[l] += (mins == 2 ? scale_at(d, ds, l, half, 0) * -8.0f : scale_at(m, ms, l, half, 0)) * x;
     return acc;
 }
 #endif
@@ -551,12 +573,12 @@ static inline int32_t unit_qsum(const int32_t *qsum_row, i64 k0, i64 per) {
  * chunk's 16 sums kept in registers across the units: per unit u and output row,
  * acc += (d_u * d_a) * dot, then for q4 acc += m_u * xs (the min term on the rounded activations:
  * int8.py, NOTE(accuracy)); units in order, so the bits do not depend on NC or the path. MINS as
- * ts_weight's; HALF: the scales are half floats (SZ bytes each). */
+ * ts_weight's; HALF as ts_weight's `half` (SZ bytes a scale; 2: super scales G units apart). */
 #define TILE_ROWS(NC, QUADS, MINS, HALF)                                                                          \
     static void tile_##NC##_##QUADS##_##MINS##_##HALF(const ts_weight *w, i64 t, const int8_t *q, const float *da, \
                                             const float *xs, const int32_t *qsum, i64 B, float *y, i64 ldy, i64 c0) { \
-        const i64 nu = w->nu, R = w->R, K = w->K, per = K / nu, step = R * (MINS ? 16 : per), SZ = HALF ? 2 : 4;  \
-        const i64 chunk = MINS ? 256 : 16 * per;                                                                  \
+        const i64 nu = w->nu, R = w->R, K = w->K, per = K / nu, step = R * (MINS ? 16 : per);                     \
+        const i64 SZ = HALF == 2 ? 1 : HALF ? 2 : 4, chunk = MINS ? 256 : 16 * per, G = HALF == 2 ? w->group : 1;  \
         const char *d = (const char *)w->d, *m = (const char *)w->m;                                              \
         for (i64 i = 0; i < B; i++) {                                                                             \
             vf acc[NC];                                                                                           \
@@ -566,18 +588,24 @@ static inline int32_t unit_qsum(const int32_t *qsum_row, i64 k0, i64 per) {
                 const uint8_t *base = w->qv + (t * nu + u) * step;                                                \
                 const char *du = d + (t * nu + u) * R * SZ;                                                       \
                 const char *mu = MINS == 1 ? m + (t * nu + u) * R * SZ : NULL;                                    \
+                const i64 sup = (t * (nu / G) + u / G) * R;                                                       \
+                const float *dsu = HALF == 2 ? w->ds + sup : NULL, *msu = HALF == 2 && MINS == 1 ? w->ms + sup : NULL; \
                 const int8_t *a = q + i * K + k0;                                                                 \
                 const int32_t qs = unit_qsum(qsum + i * (K / 16), k0, per);                                      \
                 const float s = da[i * (K / 32) + k0 / 32], x = MINS ? xs[i * (K / 32) + u] : 0.0f;               \
                 _Pragma("GCC unroll 8") for (int c = 0; c < NC; c++)                                              \
-                    acc[c] = vf_update(acc[c], du + 16 * (c0 + c) * SZ, s, unit_dot(base + (c0 + c) * chunk, a, QUADS, \
-                                       MINS != 0, qs), MINS == 1 ? mu + 16 * (c0 + c) * SZ : NULL, x, HALF, MINS);  \
+                    acc[c] = vf_update(acc[c], du + 16 * (c0 + c) * SZ, dsu ? dsu + 16 * (c0 + c) : NULL, s,          \
+                                       unit_dot(base + (c0 + c) * chunk, a, QUADS, MINS != 0, qs),                \
+                                       MINS == 1 ? mu + 16 * (c0 + c) * SZ : NULL, msu ? msu + 16 * (c0 + c) : NULL, \
+                                       x, HALF, MINS);                                                            \
             }                                                                                                     \
             _Pragma("GCC unroll 8") for (int c = 0; c < NC; c++) vf_store(y + i * ldy + t * R + 16 * (c0 + c), acc[c]); \
         }                                                                                                         \
     }
 #define TILE_HALVES(NC, QUADS, MINS) TILE_ROWS(NC, QUADS, MINS, 0) TILE_ROWS(NC, QUADS, MINS, 1)
-#define TILE_ALL(NC) TILE_HALVES(NC, 4, 1) TILE_HALVES(NC, 4, 2) TILE_HALVES(NC, 4, 0) TILE_HALVES(NC, 8, 0)
+/* K-quant scales (HALF 2): Q4_K (q4 with mins) and Q6_K (q8 in units of 16: 4 quads) */
+#define TILE_ALL(NC) TILE_HALVES(NC, 4, 1) TILE_HALVES(NC, 4, 2) TILE_HALVES(NC, 4, 0) TILE_HALVES(NC, 8, 0) \
+    TILE_ROWS(NC, 4, 1, 2) TILE_ROWS(NC, 4, 0, 2)
 TILE_ALL(1)
 TILE_ALL(2)
 TILE_ALL(4)
@@ -590,6 +618,7 @@ static tile_fn tile_for(i64 nc, int quads, int mins, int half) {
 #define PICK_HALF(NC, QUADS, MINS) return half ? tile_##NC##_##QUADS##_##MINS##_1 : tile_##NC##_##QUADS##_##MINS##_0;
 #define PICK(NC)                                                                                                   \
     if (nc == NC) {                                                                                                \
+        if (half == 2) return mins == 1 ? tile_##NC##_4_1_2 : mins == 0 && quads == 4 ? tile_##NC##_4_0_2 : NULL;  \
         if (mins == 1) PICK_HALF(NC, 4, 1)                                                                         \
         if (mins == 2) PICK_HALF(NC, 4, 2)                                                                         \
         if (quads == 4) PICK_HALF(NC, 4, 0)                                                                        \
@@ -601,19 +630,48 @@ static tile_fn tile_for(i64 nc, int quads, int mins, int half) {
     return NULL;
 }
 
+/* PERF(k-scales-rows): from this many rows on, a product over K-quant scales (half 2) converts each
+ * tile's scales and mins to f32 once (into `conv`, one slot per thread) and runs the f32 tile on them,
+ * instead of converting them again for every row: the same products, bit for bit (NOTE(k-scales)). A
+ * decode row reads the integers (fewer bytes) directly. */
+#define CONVERT_ROWS 4
+
+/* tile t's K-quant scales and mins as f32 [nu, R] each into buf (m after d) */
+static void convert_tile(const ts_weight *w, i64 t, float *buf) {
+    const i64 nu = w->nu, R = w->R, G = w->group, signs = w->mins == 0;
+    for (i64 u = 0; u < nu; u++)
+        for (i64 r = 0; r < R; r++) {
+            const i64 at = (t * nu + u) * R + r, sup = (t * (nu / G) + u / G) * R + r;
+            buf[u * R + r] = (float)(signs ? ((const int8_t *)w->d)[at] : ((const uint8_t *)w->d)[at]) * w->ds[sup];
+            if (w->mins == 1) buf[(nu + u) * R + r] = (float)((const uint8_t *)w->m)[at] * w->ms[sup];
+        }
+}
+
 /* y [B, T*R] (row stride ldy) = the quantized rows (q, da, xs, qsum as ts_quantize_rows fills them)
- * times weight w. */
+ * times weight w; `conv`: 2 * nu * R floats per thread where B >= CONVERT_ROWS and w has K-quant
+ * scales (PERF(k-scales-rows)), else unused. */
 static void matmul_i8(const ts_weight *w, const int8_t *q, const float *da, const float *xs, const int32_t *qsum,
-                      i64 B, float *y, i64 ldy, int nthreads) {
-    const i64 T = w->T, R = w->R, per = w->K / w->nu;
-    const int mins = (int)w->mins, half = w->half != 0, quads = mins ? 4 : (int)(per / 4);
+                      i64 B, float *y, i64 ldy, int nthreads, float *conv) {
+    const i64 T = w->T, R = w->R, nu = w->nu, per = w->K / nu, step = R * (w->mins ? 16 : per);
+    const int mins = (int)w->mins, half = (int)w->half, quads = mins ? 4 : (int)(per / 4);
+    const int convert = half == 2 && B >= CONVERT_ROWS && conv != NULL;
     int nt = threads_for(nthreads, T);
 #pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
-    for (i64 t = 0; t < T; t++)
+    for (i64 t = 0; t < T; t++) {
+        ts_weight one = *w;
+        i64 at = t;
+        if (convert) {                     /* tile t alone, its scales in f32: the f32 tile's input */
+            float *buf = conv + (i64)omp_get_thread_num() * 2 * nu * R;
+            convert_tile(w, t, buf);
+            one.qv = w->qv + t * nu * step, one.d = buf, one.m = mins == 1 ? buf + nu * R : NULL;
+            one.T = 1, one.half = 0, at = 0;
+        }
+        float *yt = y + (convert ? t * R : 0);
         for (i64 c0 = 0, nc; c0 < R / 16; c0 += nc) {      /* chunks 8, 4, 2 or 1 at a time */
             nc = R / 16 - c0 >= 8 ? 8 : R / 16 - c0 >= 4 ? 4 : R / 16 - c0 >= 2 ? 2 : 1;
-            tile_for(nc, quads, mins, half)(w, t, q, da, xs, qsum, B, y, ldy, c0);
+            tile_for(nc, quads, mins, (int)one.half)(&one, at, q, da, xs, qsum, B, yt, ldy, c0);
         }
+    }
 }
 
 /* the integer dots alone, for tests: dots [B, T, nu, R] int32 (the plain signed sums) */
@@ -632,32 +690,36 @@ void ts_unit_dots(const ts_weight *w, const int8_t *q, const int32_t *qsum, i64 
             }
 }
 
-/* ts_product_i8's buffers for B rows of up to K inputs: the rows quantized (ts_quantize_rows) */
+/* ts_product_i8's buffers for B rows of up to K inputs: the rows quantized (ts_quantize_rows), and
+ * for K-quant weights of up to R lanes a tile's f32 scales per thread (PERF(k-scales-rows)) */
 typedef struct {
     int8_t *q;
     float *da, *xs;
     int32_t *qsum;
+    float *conv;
 } product_bufs;
 
-static void product_layout(cut *c, i64 B, i64 K, product_bufs *s) {
+static void product_layout(cut *c, i64 B, i64 K, i64 R, int nthreads, product_bufs *s) {
     s->q = (int8_t *)take(c, B * K, 1);
     s->da = (float *)take(c, B * (K / 32), sizeof(float));
     s->xs = (float *)take(c, B * (K / 32), sizeof(float));
     s->qsum = (int32_t *)take(c, B * (K / 16), sizeof(int32_t));
+    s->conv = B >= CONVERT_ROWS ? (float *)take(c, (i64)threads_for(nthreads, nthreads) * 2 * (K / 16) * R,
+                                                sizeof(float)) : NULL;
 }
 
 static void product_i8(const float *x, i64 B, const ts_weight *w, float *y, int nthreads, const product_bufs *s) {
     ts_quantize_rows(x, B, w->K, s->q, s->da, s->xs, s->qsum, nthreads);
-    matmul_i8(w, s->q, s->da, s->xs, s->qsum, B, y, w->T * w->R, nthreads);
+    matmul_i8(w, s->q, s->da, s->xs, s->qsum, B, y, w->T * w->R, nthreads, s->conv);
 }
 
 /* y [B, T*R] = x [B, K] times w, x's rows quantized to int8 per block of 32 */
 int ts_product_i8(const float *x, i64 B, const ts_weight *w, float *y, int nthreads) {
     product_bufs s;
     cut c = {NULL, 0, 0};
-    product_layout(&c, B, w->K, &s);
+    product_layout(&c, B, w->K, w->R, nthreads, &s);
     if (scratch_begin(&c) != TS_OK) return TS_NOMEM;
-    product_layout(&c, B, w->K, &s);
+    product_layout(&c, B, w->K, w->R, nthreads, &s);
     product_i8(x, B, w, y, nthreads, &s);
     return TS_OK;
 }
@@ -1126,10 +1188,13 @@ static void layer_layout(cut *c, const ts_layer_weights *L, i64 R, const i64 *se
     s->att = (float *)take(c, R * H * D, sizeof(float));
     s->gu = (float *)take(c, R * 2 * F, sizeof(float));
     s->a = (float *)take(c, R * F, sizeof(float));
-    i64 K = 0;
-    for (int k = 0; k < 4; k++) K = L->w[k].K > K ? L->w[k].K : K;
+    i64 K = 0, lanes = 0;
+    for (int k = 0; k < 4; k++) {
+        K = L->w[k].K > K ? L->w[k].K : K;
+        lanes = L->w[k].R > lanes ? L->w[k].R : lanes;
+    }
     cut p = *c, at = *c;
-    product_layout(&p, R, K, &s->p);
+    product_layout(&p, R, K, lanes, nthreads, &s->p);
     attend_layout(&at, seq, pos, R, window, H, G, D, nthreads, &s->at);
     c->used = p.used > at.used ? p.used : at.used;
     c->bad |= p.bad | at.bad;

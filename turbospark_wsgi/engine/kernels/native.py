@@ -31,7 +31,7 @@ from . import isa
 from .children import spawn, wait
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "native.c")
-ABI = 3
+ABI = 4
 _BASE = ("-O3", "-std=gnu11", "-fPIC", "-shared", "-fopenmp", "-ffp-contract=off", "-fno-math-errno")
 # what each path compiles with (x86: F16C converts the half-float KV caches; every AVX2 CPU has it)
 FLAGS = {
@@ -164,7 +164,7 @@ _p, _i64 = ctypes.c_void_p, ctypes.c_int64
 
 class Weight(ctypes.Structure):
     _fields_ = [("qv", _p), ("d", _p), ("m", _p), ("T", _i64), ("nu", _i64), ("R", _i64), ("K", _i64),
-                ("half", _i64), ("mins", _i64)]
+                ("half", _i64), ("mins", _i64), ("ds", _p), ("ms", _p), ("group", _i64)]
 
 
 class FloatWeight(ctypes.Structure):
@@ -340,15 +340,20 @@ class Library:
 
     def weight_from(self, qv, p):
         """A Weight over int8.prepare's arrays `qv` and QWeight p's scales and mins as it keeps them
-        (float16 or float32; no mins for q8, none kept for Q4_0's -8d: quant, NOTE(scales-f16))."""
+        (float16 or float32, or K-quant integers under float32 super scales: quant, NOTE(k-scales);
+        no mins for q8, none kept for Q4_0's -8d: quant, NOTE(scales-f16))."""
         d = np.ascontiguousarray(p.d)
         m = None if p.m is None else np.ascontiguousarray(p.m)
+        ds, ms = (None if a is None else np.ascontiguousarray(a, np.float32) for a in (p.ds, p.ms))
         T, nu, R = d.shape
         mins = 0 if p.kind == "q8" else 2 if m is None else 1
         per = 32 if mins else qv.shape[3] * 4      # q4 blocks of 32, q8 units of 4 bytes a quad
-        s = Weight(_addr(qv), _addr(d), None if m is None else _addr(m), T, nu, R, nu * per,
-                   int(d.dtype == np.float16), mins)
-        return _Held(s, (qv, d, m))
+        half = 2 if ds is not None else int(d.dtype == np.float16)
+        if half == 2 and not (mins == 1 and ms is not None or mins == 0 and per == 16):
+            raise ValueError(f"no int8 kernel for K-quant scales on a {p.kind} weight in units of {per}")
+        s = Weight(_addr(qv), _addr(d), None if m is None else _addr(m), T, nu, R, nu * per, half, mins,
+                   None if ds is None else _addr(ds), None if ms is None else _addr(ms), p.group)
+        return _Held(s, (qv, d, m, ds, ms))
 
     def layer(self, weights, x, seq, pos, kv, half, li, window, cos, sin, threads):
         """One transformer layer on x [R, dim] (in place) as layer.layer computes it."""
