@@ -60,9 +60,7 @@ class KScales:
 
     def values(self):
         """(d, m) in float32 [n, units]: each a single rounding of the integer times its super scale."""
-        def mul(q, s):
-            return None if q is None else q.astype(np.float32) * np.repeat(s, self.group, axis=1)
-        return mul(self.sc, self.ds), mul(self.mn, self.ms)
+        return _times(self.sc, self.ds), None if self.mn is None else _times(self.mn, self.ms)
 
     def map(self, fn):
         return KScales(fn(self.sc), fn(self.ds), None if self.mn is None else fn(self.mn),
@@ -321,9 +319,8 @@ def _concat(group):
     kinds = {None if g.ks is None else (g.ks.sc.dtype, g.ks.group, g.ks.mn is None) for g in group}
     ks = None
     if len(kinds) == 1 and None not in kinds:
-        ks = KScales(cat([g.ks.sc for g in group]), cat([g.ks.ds for g in group]),
-                     None if group[0].ks.mn is None else cat([g.ks.mn for g in group]),
-                     None if group[0].ks.ms is None else cat([g.ks.ms for g in group]))
+        fields = zip(*[(g.ks.sc, g.ks.ds, g.ks.mn, g.ks.ms) for g in group])
+        ks = KScales(*(None if f[0] is None else cat(f) for f in fields))
     return Blocks(group[0].kind, cat([g.q for g in group]), cat([g.d for g in group]), m, ks)
 
 
@@ -338,7 +335,7 @@ def _tile(b, tile):
         return np.ascontiguousarray(np.moveaxis(a, 1, -1))
 
     if b.ks is not None:                                                # NOTE(k-scales)
-        ks = b.ks.map(lambda a: None if a is None else lanes(a))
+        ks = b.ks.map(lanes)
         return QWeight(b.kind, n, k, lanes(b.q), ks.sc, ks.mn, ds=ks.ds, ms=ks.ms)
     d, m = _compact(lanes(b.d), None if b.m is None else lanes(b.m))
     return QWeight(b.kind, n, k, lanes(b.q), d, m)

@@ -368,6 +368,10 @@ void ts_quantize_rows(const float *x, i64 B, i64 K, int8_t *q, float *d, float *
  * a[16:32]; q8: bytes are q + 128 (the VNNI paths take 128 * qa_sum, the sum of a, off again).
  * The result is the plain signed dots sum(q * q_a) on every path. `vf`: 16 floats, one per row. */
 #define ALWAYS static inline __attribute__((always_inline))
+/* K-quant scale `at` of p (int8 where sgn, else uint8) times its f32 super scale (NOTE(k-scales)) */
+ALWAYS float kscale(const void *p, i64 at, int sgn, float sup) {
+    return (float)(sgn ? ((const int8_t *)p)[at] : ((const uint8_t *)p)[at]) * sup;
+}
 #if TS_PATH == 0
 typedef __m512i vi;
 typedef __m512 vf;
@@ -549,8 +553,7 @@ ALWAYS void vf_store(float *p, vf v) { memcpy(p, v.v, sizeof(v.v)); }
 /* scale l of p: a half float (converted exactly), f32, or (half 2) an integer (int8 where sgn, else
  * uint8) times its f32 super scale sup[l] */
 ALWAYS float scale_at(const void *p, const float *sup, int l, int half, int sgn) {
-    if (half == 2)
-        return (float)(sgn ? ((const int8_t *)p)[l] : ((const uint8_t *)p)[l]) * sup[l];
+    if (half == 2) return kscale(p, l, sgn, sup[l]);
     return half ? h2f(((const uint16_t *)p)[l]) : ((const float *)p)[l];
 }
 ALWAYS vf vf_update(vf acc, const void *d, const float *ds, float s, vi dots, const void *m, const float *ms, float x,
@@ -642,8 +645,8 @@ static void convert_tile(const ts_weight *w, i64 t, float *buf) {
     for (i64 u = 0; u < nu; u++)
         for (i64 r = 0; r < R; r++) {
             const i64 at = (t * nu + u) * R + r, sup = (t * (nu / G) + u / G) * R + r;
-            buf[u * R + r] = (float)(signs ? ((const int8_t *)w->d)[at] : ((const uint8_t *)w->d)[at]) * w->ds[sup];
-            if (w->mins == 1) buf[(nu + u) * R + r] = (float)((const uint8_t *)w->m)[at] * w->ms[sup];
+            buf[u * R + r] = kscale(w->d, at, signs, w->ds[sup]);
+            if (w->mins == 1) buf[(nu + u) * R + r] = kscale(w->m, at, 0, w->ms[sup]);
         }
 }
 
@@ -691,7 +694,8 @@ void ts_unit_dots(const ts_weight *w, const int8_t *q, const int32_t *qsum, i64 
 }
 
 /* ts_product_i8's buffers for B rows of up to K inputs: the rows quantized (ts_quantize_rows), and
- * for K-quant weights of up to R lanes a tile's f32 scales per thread (PERF(k-scales-rows)) */
+ * where K-quant weights of up to R lanes take part (R > 0) a tile's f32 scales per thread
+ * (PERF(k-scales-rows)) */
 typedef struct {
     int8_t *q;
     float *da, *xs;
@@ -704,7 +708,7 @@ static void product_layout(cut *c, i64 B, i64 K, i64 R, int nthreads, product_bu
     s->da = (float *)take(c, B * (K / 32), sizeof(float));
     s->xs = (float *)take(c, B * (K / 32), sizeof(float));
     s->qsum = (int32_t *)take(c, B * (K / 16), sizeof(int32_t));
-    s->conv = B >= CONVERT_ROWS ? (float *)take(c, (i64)threads_for(nthreads, nthreads) * 2 * (K / 16) * R,
+    s->conv = B >= CONVERT_ROWS && R > 0 ? (float *)take(c, (i64)threads_for(nthreads, nthreads) * 2 * (K / 16) * R,
                                                 sizeof(float)) : NULL;
 }
 
@@ -717,9 +721,10 @@ static void product_i8(const float *x, i64 B, const ts_weight *w, float *y, int 
 int ts_product_i8(const float *x, i64 B, const ts_weight *w, float *y, int nthreads) {
     product_bufs s;
     cut c = {NULL, 0, 0};
-    product_layout(&c, B, w->K, w->R, nthreads, &s);
+    const i64 lanes = w->half == 2 ? w->R : 0;
+    product_layout(&c, B, w->K, lanes, nthreads, &s);
     if (scratch_begin(&c) != TS_OK) return TS_NOMEM;
-    product_layout(&c, B, w->K, w->R, nthreads, &s);
+    product_layout(&c, B, w->K, lanes, nthreads, &s);
     product_i8(x, B, w, y, nthreads, &s);
     return TS_OK;
 }
@@ -1191,7 +1196,7 @@ static void layer_layout(cut *c, const ts_layer_weights *L, i64 R, const i64 *se
     i64 K = 0, lanes = 0;
     for (int k = 0; k < 4; k++) {
         K = L->w[k].K > K ? L->w[k].K : K;
-        lanes = L->w[k].R > lanes ? L->w[k].R : lanes;
+        if (L->w[k].half == 2 && L->w[k].R > lanes) lanes = L->w[k].R;     /* K-quant weights' tiles */
     }
     cut p = *c, at = *c;
     product_layout(&p, R, K, lanes, nthreads, &s->p);
