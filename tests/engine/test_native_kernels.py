@@ -215,6 +215,34 @@ def test_a_model_gets_the_same_bits_on_every_path_and_follows_numba(tiny_gguf, q
     np.testing.assert_allclose(first, numba_run, atol=0.02 * np.abs(numba_run).max())
 
 
+def _k_quant_rows(rng, gtype, n, k):
+    """Random GGUF Q4_K (12) or Q6_K (14) rows of an [n, k] weight with small super scales."""
+    size, at = {12: (144, (0, 2)), 14: (210, (208,))}[gtype]
+    raw = rng.integers(0, 256, (n, k // 256, size), dtype=np.uint8)
+    for a in at:
+        d = np.float16(rng.uniform(1e-4, 1e-3, (n, k // 256)))
+        raw[..., a:a + 2] = np.frombuffer(d.tobytes(), np.uint8).reshape(n, k // 256, 2)
+    return raw.reshape(n, -1), gtype
+
+
+def test_a_k_quant_model_gets_the_same_bits_on_every_path_and_follows_numba(tiny_gguf):
+    """NOTE(k-scales) in the C layer: Q4_K and Q6_K matrices (as a Q4_K_M file mixes them), a prompt
+    of 8 rows (PERF(k-scales-rows)'s converted scales) and decode rows (the integers read directly)."""
+    rng = np.random.default_rng(21)
+    dims = {"attn_q": (256, 256), "attn_k": (128, 256), "attn_output": (256, 256), "ffn_gate": (512, 256),
+            "ffn_up": (512, 256), "attn_v": (128, 256), "ffn_down": (256, 512)}
+    raw = {f"blk.{i}.{name}.weight": _k_quant_rows(rng, 14 if name in ("attn_v", "ffn_down") else 12, n, k)
+           for i in range(2) for name, (n, k) in dims.items()}
+    path = tiny_gguf(qtype="Q8_0", raw=raw, hidden_size=256, intermediate_size=512).path
+    runs = {p: _logits(_model(path, p)) for p in PATHS}
+    first = runs[PATHS[0]]
+    assert np.isfinite(first).all()
+    assert all(np.array_equal(r, first) for r in runs.values()), [p for p, r in runs.items() if not np.array_equal(r, first)]
+    numba_run = _logits(_model(path, PATHS[0], kernels="numba"))
+    assert np.argmax(first, -1).tolist() == np.argmax(numba_run, -1).tolist()
+    np.testing.assert_allclose(first, numba_run, atol=0.02 * np.abs(numba_run).max())
+
+
 def test_gemma_features_run_on_the_c_layer(tmp_path):
     """Post norms, q/k norms, the GELU gate and local windows: the C layer follows the numba one."""
     from test_families import family_gguf
