@@ -4,7 +4,7 @@ from dataclasses import dataclass
 
 from .backend import select_backend
 from .config import ModelConfig
-from . import packed
+from . import layer_variants, packed
 from .kernels import cpu as kernels_cpu, warm
 from .gguf import GGUFFile, ggml_type_name, model_config_from_gguf
 from .model import Transformer
@@ -77,8 +77,8 @@ def _load(path, options):
         # float kernels in a second process (kernels/warm.py).
         with warm.compiling(plan.isa):
             kernels_cpu.warmup(plan.isa, groups=("int8",))
-            if model.fused:
-                model.warm_layers()
+            if model.variant.name == "numba":
+                layer_variants.warm_numba(model)
         kernels_cpu.warmup(plan.isa, groups=("float",))
     return LoadedModel(cfg, model, metadata, kind, path, backend.name, backend.reason,
                        plan.describe() if backend.name == "numpy" else "", held)

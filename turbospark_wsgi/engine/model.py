@@ -1,7 +1,7 @@
 """The transformer forward pass (llama family), written against an array module `xp`."""
 import numpy as np
 
-from . import yielding
+from . import layer_variants, yielding
 from .attention import Attention, RotaryTables, rope
 from .kernels import cpu as kernels_cpu, layer as kernels_layer
 from .backend import to_host
@@ -18,7 +18,13 @@ SMALL_WINDOW = 16
 
 
 class Transformer:
-    """A decoder-only transformer: RMSNorm, rotary attention with GQA, SwiGLU, tied or separate head."""
+    """A decoder-only transformer: RMSNorm, rotary attention with GQA, SwiGLU, tied or separate head.
+
+    Its layers are `DecoderLayers.run`, the readable specification; each call runs it or one of
+    its registered variants (the C or numba layer kernels, the device kernels), whichever
+    layer_variants.choose picks: `variant` says which."""
+
+    kernels = None      # the device kernels (gpu/launch.py) the layers' steps run on, or None
 
     def __init__(self, cfg, weights, xp, plan=None):
         self.cfg, self.w, self.xp = cfg, weights, xp
@@ -33,16 +39,19 @@ class Transformer:
         self._numba_args = None     # numba's layer arguments (kernels_layer.numba_args), built on first use
 
     @property
+    def variant(self):
+        """The layer_variants.Variant that runs this call's layers."""
+        return layer_variants.choose(self)
+
+    @property
     def fused(self):
-        """Whether this call runs each layer as one kernel (kernels/layer.py): numpy backend, int8
-        activations, every product one part on the int8 kernels, and the plan's switch on. Prompts
-        and decode steps alike, so positions keep the same bits either way they were computed."""
-        if not (self.plan.fused and (kernels_cpu.ACTIVATIONS or self.plan.activations) == "int8" and self.xp is np):
-            return False
-        if self._layer_args is None:
-            args = [kernels_layer.layer_args(self.cfg, lw) for lw in self.w.layers]
-            self._layer_args = False if None in args else args
-        return self._layer_args is not False
+        """Whether this call runs each layer as one kernel call (the "native" or "numba" variant):
+        prompts and decode steps alike, so positions keep the same bits either way they were computed."""
+        return self.variant.fused
+
+    def layer_window(self, i):
+        """Layer i's sliding window in positions (0: global attention)."""
+        return self._layer_window[i]
 
     @property
     def native(self):
@@ -102,8 +111,9 @@ class Transformer:
         if T == 0 or pos + T > cache.max_seq:
             raise ValueError(f"cannot run {T} tokens at position {pos} with a cache of {cache.max_seq}")
         x, lora = self._embed(ids), RowLora.of(self, [adapter] * T)    # [T, dim]; NOTE(lora-path): lora.py
-        if self.fused:
-            self._fused_layers(x, np.zeros(T, np.int64), np.arange(pos, pos + T, dtype=np.int64), [cache], [pos + T])
+        variant = self.variant
+        if variant.fused:
+            self._fused_layers(variant, x, np.zeros(T, np.int64), np.arange(pos, pos + T, dtype=np.int64), [cache], [pos + T])
         else:
             self._prompt_layers(x, pos, cache, rows_matmul if row_exact else plain_matmul, lora)
         cache.length = pos + T
@@ -149,9 +159,10 @@ class Transformer:
         lora = RowLora.of(self, adapters or ())
         for cache, end in zip(own, ends):
             cache.reserve(end)          # before any row's K/V is written: growing keeps only `length`
-        if self.fused:
+        variant = self.variant
+        if variant.fused:
             at = np.asarray(pos, np.int64)
-            x = self._fused_layers(self._embed(ids), np.asarray(seq, np.int64), at, own, ends)[:, None]
+            x = self._fused_layers(variant, self._embed(ids), np.asarray(seq, np.int64), at, own, ends)[:, None]
         else:
             x = self._decode_layers(ids, pos, caches, lora)             # [B, 1, dim]
         for cache, end in zip(own, ends):
@@ -180,30 +191,16 @@ class Transformer:
             att[b] = self.attention.decode(qk[b:b + 1, :H], keys, vals, pos[b], self._layer_window[i])
         return att
 
-    def _fused_layers(self, x, seq, at, caches, ends):
-        """Runs every layer on x `[R, dim]` (in place) as one kernel call each: row r is position
-        at[r] of caches[seq[r]], whose K/V it stores; caches[s] is first made to hold ends[s]
-        positions. Returns x."""
+    def _fused_layers(self, variant, x, seq, at, caches, ends):
+        """Runs every layer on x `[R, dim]` (in place) as one kernel call each of the fused `variant`
+        (layer_variants.RUN): row r is position at[r] of caches[seq[r]], whose K/V it stores;
+        caches[s] is first made to hold ends[s] positions. Returns x."""
         for cache, end in zip(caches, ends):
             cache.reserve(int(end))
         kv, elem = kernels_layer.addresses(caches)
         ropes = self.rotary.layers(int(at.max()) + 1)
         self.w.layers[0].wqkv.use_threads(len(x))
-        if self.native is not None:
-            if self._native_layers is None:
-                self._native_layers = [self.native.layer_weights(args, self.cfg.dim) for args in self._layer_args]
-            return _native_layers(self.native, self._native_layers, x, seq, at, kv, elem, ropes, self._layer_window)
-        if self._numba_args is None:
-            self._numba_args = [kernels_layer.numba_args(args) for args in self._layer_args]
-        return _numba_layers(kernels_layer.LAYER[self.plan.isa], self._numba_args, x, seq, at, kv, elem, ropes,
-                             self._layer_window)
-
-    def warm_layers(self):
-        """Compiles (or loads from numba's cache) numba's fused layer kernel: one token through the
-        first layer into a scratch cache, outside any forward pass (so no yielding gate is asked)."""
-        one, cache = np.zeros(1, np.int64), self.new_cache(1)
-        kernels_layer.LAYER[self.plan.isa](self._embed(one), one, one, *kernels_layer.addresses([cache]), 0, self._layer_window[0],
-                            *self.rotary.layers(1)[0], *kernels_layer.numba_args(self._layer_args[0]))
+        return layer_variants.RUN[variant.name](self, x, seq, at, kv, elem, ropes)
 
     def _embed(self, ids):
         w, xp = self.w, self.xp
@@ -224,33 +221,16 @@ def soft_cap(logits, cap):
     return (np.tanh(logits / np.float32(cap)) * np.float32(cap)).astype(np.float32)
 
 
-def _numba_layers(layer, layers, x, seq, at, kv, elem, ropes, windows):
-    """Transformer._fused_layers on numba's kernel: `layers` each layer's arguments (numba_args)."""
-    for i, args in enumerate(layers):
-        yielding.point()                                                # NOTE(front-door): see yielding.py
-        layer(x, seq, at, kv, elem, i, windows[i], *ropes[i], *args)
-    return x
-
-
-def _native_layers(lib, layers, x, seq, at, kv, elem, ropes, windows):
-    """Transformer._fused_layers on the C kernels: `layers` the C views of each layer's weights."""
-    half, threads = elem.dtype == np.uint16, kernels_cpu.thread_count()
-    for i, lw in enumerate(layers):
-        yielding.point()                                                # NOTE(front-door): see yielding.py
-        cos, sin = ropes[i]
-        lib.layer(lw, x, seq, at, kv, half, i, windows[i], cos, sin, threads)
-    return x
-
-
 class DecoderLayers:
-    """The decoder layers step by step in the array module `xp`: RMSNorm, the q|k|v heads (with the
+    """The specification of a decoder layer (layer_variants.py registers the code that must equal
+    it), step by step in the array module `xp`: RMSNorm, the q|k|v heads (with the
     architecture's biases and q/k norms), rotary, an attention the caller gives, the output
     projection, the gated MLP, post norms where the architecture has them, and the residuals.
     Every other step is row-wise: a row's bits depend on the rows beside it only through the
     products `mm` and the attention.
 
-    The Transformer runs prompts and decode steps through it when the fused layer kernel
-    (kernels/layer.py, the same steps in one call per layer) does not run."""
+    The Transformer runs prompts and decode steps through it unless a fused variant (the same steps
+    in one C or numba call per layer) runs the call."""
 
     def __init__(self, cfg, weights, xp):
         self.cfg, self.weights, self.xp = cfg, weights, xp

@@ -24,8 +24,8 @@ class DeviceTransformer(Transformer):
         self.layers.gate = kernels.gate
         self.layers.rope = kernels.rope
 
-    # the CPU-only fused paths never run here, whatever the array module
-    fused = False
+    # the CPU-only fused attention never runs here, whatever the array module; the layers are the
+    # "device" variant (layer_variants.py), chosen because `kernels` is set
     fused_attention = False
     rows_exact = False
 

@@ -191,10 +191,11 @@ class QLinear:
                 if int8.fits(p):
                     int8.prepare(p)
                     p.drop_tiled()
-        p = w.parts[0]
+        # the parts a fused layer runs on the int8 kernels (no padding rows in any), or None
+        self.int8_parts = tuple(w.parts) if int8.AVAILABLE and all(
+            p.tiles * p.tile == p.n and int8.fits(p) for p in w.parts) else None
         # the part int8 products go to straight (one part, no padding rows), fixed for the weight
-        self._int8_part = p if int8.AVAILABLE and len(w.parts) == 1 and \
-            p.tiles * p.tile == p.n and int8.fits(p) else None
+        self._int8_part = self.int8_parts[0] if self.int8_parts and len(w.parts) == 1 else None
         self.nbytes = w.nbytes
 
     def __rmatmul__(self, x):

@@ -161,9 +161,10 @@ if AVAILABLE:
 
 def layer_args(cfg, lw):
     """The per-layer arguments for LayerWeights `lw`: `layer`'s after `sin` up to the weights, then
-    the four products' QWeights (wqkv, wo, w_gate_up, w_down; `numba_args` turns them into
-    `layer`'s), or None where a product is not one part on the int8 kernels."""
-    parts = [getattr(getattr(lw, n), "_int8_part", None) for n in ("wqkv", "wo", "w_gate_up", "w_down")]
+    the four products' QWeights (wqkv, wo, w_gate_up, w_down), each a tuple of its parts
+    (NOTE(layer-parts) in native.c; `numba_args` turns one-part products into `layer`'s), or None
+    where a product is not on the int8 kernels."""
+    parts = [getattr(getattr(lw, n), "int8_parts", None) for n in ("wqkv", "wo", "w_gate_up", "w_down")]
     if not AVAILABLE or None in parts:
         return None
     f32 = np.float32
@@ -177,10 +178,17 @@ def layer_args(cfg, lw):
             tuple(parts))
 
 
+def one_part(args):
+    """Whether every product of layer_args's tuple is one part: what numba's `layer` takes."""
+    return all(len(ps) == 1 for ps in args[-1])
+
+
 def numba_args(args):
-    """`layer`'s arguments after `sin` from layer_args's tuple: the weights as int8.product takes
-    them (float32 scales: quant.float_scales, kept on each weight once built)."""
-    *head, parts = args
+    """`layer`'s arguments after `sin` from layer_args's tuple of one-part products (one_part): the
+    weights as int8.product takes them (float32 scales: quant.float_scales, kept on each weight once
+    built)."""
+    *head, products = args
+    parts = [p for p, in products]
     scales = [quant.float_scales(p) for p in parts]
     return (*head, tuple(int8.prepare(p) for p in parts), tuple(d for d, _ in scales),
             tuple(int8.NO_MINS if m is None else m for _, m in scales))

@@ -41,7 +41,7 @@ static inline int omp_get_thread_num(void) { return 0; }
 #ifndef TS_PATH
 #define TS_PATH 4
 #endif
-#define TS_ABI 4
+#define TS_ABI 5
 #define TS_OK 0
 #define TS_NOMEM 1
 
@@ -51,6 +51,7 @@ static inline int omp_get_thread_num(void) { return 0; }
 #define SPREAD_BELOW 32  /* attention: fewer (block, KV head) pairs: chunks computed in parallel */
 #define EMPTY (-3.0e38f) /* a partial's max where its chunk holds no key of the row */
 #define LANES 16
+#define LAYER_PARTS 8    /* ts_layer_weights: parts of a layer's four products, at most */
 
 typedef int64_t i64;
 
@@ -712,9 +713,14 @@ static void product_layout(cut *c, i64 B, i64 K, i64 R, int nthreads, product_bu
                                                 sizeof(float)) : NULL;
 }
 
-static void product_i8(const float *x, i64 B, const ts_weight *w, float *y, int nthreads, const product_bufs *s) {
-    ts_quantize_rows(x, B, w->K, s->q, s->da, s->xs, s->qsum, nthreads);
-    matmul_i8(w, s->q, s->da, s->xs, s->qsum, B, y, w->T * w->R, nthreads, s->conv);
+/* y [B, N] (N the parts' outputs together) = x [B, K] times the n parts of one product, the rows
+ * quantized once for them all */
+static void parts_i8(const float *x, i64 B, const ts_weight *w, i64 n, float *y, int nthreads, const product_bufs *s) {
+    i64 N = 0;
+    for (i64 j = 0; j < n; j++) N += w[j].T * w[j].R;
+    ts_quantize_rows(x, B, w[0].K, s->q, s->da, s->xs, s->qsum, nthreads);
+    for (i64 j = 0, col = 0; j < n; col += w[j].T * w[j].R, j++)
+        matmul_i8(&w[j], s->q, s->da, s->xs, s->qsum, B, y + col, N, nthreads, s->conv);
 }
 
 /* y [B, T*R] = x [B, K] times w, x's rows quantized to int8 per block of 32 */
@@ -725,7 +731,7 @@ int ts_product_i8(const float *x, i64 B, const ts_weight *w, float *y, int nthre
     product_layout(&c, B, w->K, lanes, nthreads, &s);
     if (scratch_begin(&c) != TS_OK) return TS_NOMEM;
     product_layout(&c, B, w->K, lanes, nthreads, &s);
-    product_i8(x, B, w, y, nthreads, &s);
+    parts_i8(x, B, w, 1, y, nthreads, &s);
     return TS_OK;
 }
 
@@ -1162,7 +1168,11 @@ typedef struct {
     float eps;
     int gelu;
     i64 H, G, D, dim, ffn;
-    ts_weight w[4];         /* wqkv, wo, w_gate_up, w_down */
+    /* NOTE(layer-parts): the parts of wqkv, wo, w_gate_up and w_down in that order, parts[k] of
+     * product k, each part's outputs the columns after the part before it (a Q4_K_M layer keeps its
+     * q|k in Q4_K and its v in Q6_K: two parts of one product, each in the file's own blocks) */
+    ts_weight w[LAYER_PARTS];
+    i64 parts[4];
 } ts_layer_weights;
 
 /* out = x / sqrt(mean(x^2) + eps) * w over n values (out may be x): squares summed in 16 lanes */
@@ -1194,7 +1204,7 @@ static void layer_layout(cut *c, const ts_layer_weights *L, i64 R, const i64 *se
     s->gu = (float *)take(c, R * 2 * F, sizeof(float));
     s->a = (float *)take(c, R * F, sizeof(float));
     i64 K = 0, lanes = 0;
-    for (int k = 0; k < 4; k++) {
+    for (i64 k = 0; k < L->parts[0] + L->parts[1] + L->parts[2] + L->parts[3]; k++) {
         K = L->w[k].K > K ? L->w[k].K : K;
         if (L->w[k].half == 2 && L->w[k].R > lanes) lanes = L->w[k].R;     /* K-quant weights' tiles */
     }
@@ -1214,8 +1224,9 @@ int ts_layer(const ts_layer_weights *L, float *x, i64 R, const i64 *seq, const i
     if (scratch_begin(&lay) != TS_OK) return TS_NOMEM;
     layer_layout(&lay, L, R, seq, pos, window, nthreads, &s);
     float *h = s.h, *qkv = s.qkv, *att = s.att, *gu = s.gu, *a = s.a;
+    const ts_weight *wqkv = L->w, *wo = wqkv + L->parts[0], *wgu = wo + L->parts[1], *wd = wgu + L->parts[2];
     for (i64 r = 0; r < R; r++) norm(x + r * dim, L->norms, L->eps, dim, h + r * dim);
-    product_i8(h, R, &L->w[0], qkv, nthreads, &s.p);
+    parts_i8(h, R, wqkv, L->parts[0], qkv, nthreads, &s.p);
     kvset c = {kv, half, li, G, D};
     for (i64 r = 0; r < R; r++) {
         float *qr = qkv + r * W;
@@ -1248,17 +1259,17 @@ int ts_layer(const ts_layer_weights *L, float *x, i64 R, const i64 *seq, const i
     }
     attn A = {qkv, W, seq, pos, window, H, c};
     attend_rows(&A, R, att, &s.at);
-    product_i8(att, R, &L->w[1], h, nthreads, &s.p);
+    parts_i8(att, R, wo, L->parts[1], h, nthreads, &s.p);
     for (i64 r = 0; r < R; r++) {
         float *xr = x + r * dim, *hr = h + r * dim;
         if (L->n_norms > 2) norm(hr, L->norms + 2 * dim, L->eps, dim, hr);
         for (i64 j = 0; j < dim; j++) xr[j] += hr[j];
         norm(xr, L->norms + dim, L->eps, dim, hr);
     }
-    product_i8(h, R, &L->w[2], gu, nthreads, &s.p);
+    parts_i8(h, R, wgu, L->parts[2], gu, nthreads, &s.p);
     const float cg = (float)(2.0 * sqrt(2.0 / 3.14159265358979323846));
     for (i64 r = 0; r < R; r++) gate_row(gu + r * 2 * F, gu + r * 2 * F + F, a + r * F, F, L->gelu, cg);
-    product_i8(a, R, &L->w[3], h, nthreads, &s.p);
+    parts_i8(a, R, wd, L->parts[3], h, nthreads, &s.p);
     for (i64 r = 0; r < R; r++) {
         float *xr = x + r * dim, *hr = h + r * dim;
         if (L->n_norms > 3) norm(hr, L->norms + 3 * dim, L->eps, dim, hr);

@@ -31,7 +31,7 @@ from . import isa
 from .children import spawn, wait
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "native.c")
-ABI = 4
+ABI = 5
 _BASE = ("-O3", "-std=gnu11", "-fPIC", "-shared", "-fopenmp", "-ffp-contract=off", "-fno-math-errno")
 # what each path compiles with (x86: F16C converts the half-float KV caches; every AVX2 CPU has it)
 FLAGS = {
@@ -171,10 +171,13 @@ class FloatWeight(ctypes.Structure):
     _fields_ = [("qs", _p), ("d", _p), ("m", _p), ("T", _i64), ("nb", _i64), ("nd", _i64), ("R", _i64), ("K", _i64)]
 
 
+LAYER_PARTS = 8     # native.c LAYER_PARTS: the parts of a layer's four products, at most
+
+
 class LayerWeights(ctypes.Structure):
     _fields_ = [("norms", _p), ("n_norms", _i64), ("bqkv", _p), ("qk_norm", _p), ("eps", ctypes.c_float),
                 ("gelu", ctypes.c_int), ("H", _i64), ("G", _i64), ("D", _i64), ("dim", _i64), ("ffn", _i64),
-                ("w", Weight * 4)]
+                ("w", Weight * LAYER_PARTS), ("parts", _i64 * 4)]
 
 
 def _addr(a):
@@ -329,13 +332,15 @@ class Library:
                                              int(half), li, window, H, G, D, _addr(out), threads), "ts_attend_rows")
 
     def layer_weights(self, args, dim):
-        """The C view of one layer from layer.layer_args's tuple."""
-        eps, gelu, H, G, D, norms, bqkv, qk, weights = args
-        parts = [self.weight(p) for p in weights]
-        ffn = weights[2].n // 2
+        """The C view of one layer from layer.layer_args's tuple (NOTE(layer-parts) in native.c)."""
+        eps, gelu, H, G, D, norms, bqkv, qk, products = args
+        parts = [self.weight(p) for ps in products for p in ps]
+        if len(parts) > LAYER_PARTS:
+            raise ValueError(f"a layer of {len(parts)} product parts; the C layer takes {LAYER_PARTS}")
+        ffn = sum(p.n for p in products[2]) // 2
         s = LayerWeights(_addr(norms), norms.shape[0], _addr(bqkv) if bqkv.shape[0] else None,
                          _addr(qk) if qk.shape[0] else None, float(eps), int(gelu), H, G, D, dim, ffn,
-                         (Weight * 4)(*[h.struct for h in parts]))
+                         (Weight * LAYER_PARTS)(*[h.struct for h in parts]), (_i64 * 4)(*map(len, products)))
         return _Held(s, (norms, bqkv, qk, parts))
 
     def weight_from(self, qv, p):
