@@ -110,16 +110,32 @@ def test_arrivals_claim_only_in_a_burst_while_the_server_refuses(door):
     assert door.waited == waited
 
 
-def test_the_compute_thread_installs_the_door_only_when_configured():
+def test_the_compute_thread_waits_at_the_door_it_was_started_with_only_when_it_gives_way():
     code = textwrap.dedent("""
+        import os, threading
         from turbospark_wsgi.serving import compute
         from turbospark_wsgi.engine import yielding
-        compute.configure(0, give_way=GIVE)
-        compute.run(lambda: None)
-        print(yielding._gate is compute.front_door(), yielding._gate is None)
+        door, other = compute.FrontDoor(), compute.FrontDoor()
+        nice = lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        base = nice()
+        compute.start(compute.ComputeSettings(nice=3, give_way=GIVE), door)
+        print(yielding._gate is door, yielding._gate is None, compute.run(nice) - base)
+        compute.start(compute.ComputeSettings(nice=0, give_way=True), other)   # one thread: made already
+        print(yielding._gate is door, yielding._gate is None, compute.run(nice) - base)
     """)
-    for give, expected in ((True, "True False"), (False, "False True")):
+    for give, gate in ((True, "True False"), (False, "False True")):
         out = subprocess.run([sys.executable, "-c", code.replace("GIVE", str(give))], capture_output=True,
                              text=True, check=True, env=dict(os.environ, PYTHONPATH=os.getcwd()))
-        assert out.stdout.strip() == expected
+        lines = [line.rsplit(" ", 1) for line in out.stdout.splitlines()]
+        assert [g for g, _ in lines] == [gate, gate]
+        if sys.platform.startswith("linux") and os.getpriority(os.PRIO_PROCESS, 0) <= 16:
+            assert [n for _, n in lines] == ["3", "3"]      # NOTE(platform): per-thread nice is Linux's
     assert yielding._gate is None or callable(yielding._gate)
+
+
+def test_a_door_reports_each_wait_to_its_own_hook():
+    clock, waits = Clock(), []
+    door = compute.FrontDoor(clock=clock, sleep=clock.sleep, on_wait=waits.append)
+    door.claim()
+    door()
+    assert waits == [pytest.approx(HOLD)] and door.waited == pytest.approx(HOLD)

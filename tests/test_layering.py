@@ -10,7 +10,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "turbospark_wsgi"
 # the layer of the longest dotted name here that starts its own.
 LAYERS = {
     5: ("wsgi", "cli", "__main__", "http.workers", "http.framing", "http.gunicorn_settings"),
-    4: ("http.app", "http.middleware", "http.refusal", "http.resources", "http.batch_runner"),
+    4: ("http.app", "http.deps", "http.middleware", "http.refusal", "http.resources", "http.batch_runner"),
     3: ("http.schemas", "http.sse", "http.parsers"),
     2: ("serving", "errors", "config", "pull", "metrics", "logsafe"),
     1: ("engine",),

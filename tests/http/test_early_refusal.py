@@ -7,7 +7,7 @@ import textwrap
 
 import pytest
 
-from turbospark_wsgi.http.refusal import refusal
+from turbospark_wsgi.http.deps import deps_of
 from turbospark_wsgi.http.framing import parse_head
 
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses")
@@ -26,11 +26,16 @@ def full_app(make_harness, **config):
     return h.client(), h.service.queue.enqueue()
 
 
+def early(client):
+    """The app's EarlyRefusal, found as the worker finds it: through the app (here inside webtest's)."""
+    return deps_of(client).refusal
+
+
 def compare(client, path, headers):
     """The app's response and the early answer to the same request, headers as lower-case dicts."""
     resp = client.post(path, BODY, headers=dict(headers, **{"Content-Type": "application/json"}),
                        expect_errors=True)
-    answer = refusal().answer("POST", path, list(headers.items()) + [("Content-Length", str(len(BODY)))])
+    answer = early(client).answer("POST", path, list(headers.items()) + [("Content-Length", str(len(BODY)))])
     assert answer is not None, "the worker left a refusal to the app"
     app_headers = {k.lower(): v for k, v in resp.headers.items()}
     return resp, app_headers, answer, dict(answer.headers)
@@ -61,7 +66,7 @@ def test_the_early_answer_logs_the_apps_access_line(make_harness, caplog):
     try:
         with caplog.at_level("INFO", logger="turbospark.access"):
             client.post("/v1/completions", BODY, headers={"x-request-id": "r-app"}, status=503)
-            refusal().answer("POST", "/v1/completions/", [("x-request-id", "r-early")]).log()
+            early(client).answer("POST", "/v1/completions/", [("x-request-id", "r-early")]).log()
     finally:
         holder.release()
     lines = [r.getMessage() for r in caplog.records if r.name == "turbospark.access"]
@@ -93,8 +98,8 @@ NOT_EARLY = {
 def test_the_worker_leaves_to_the_app_what_it_would_answer_otherwise(make_harness, case):
     client, holder = full_app(make_harness)
     try:
-        assert refusal().answer(*NOT_EARLY[case]) is None
-        assert refusal().answer("POST", "/v1/completions", []) is not None
+        assert early(client).answer(*NOT_EARLY[case]) is None
+        assert early(client).answer("POST", "/v1/completions", []) is not None
     finally:
         holder.release()
 
@@ -105,15 +110,15 @@ def test_the_worker_leaves_to_the_app_what_it_would_answer_otherwise(make_harnes
 def test_a_request_without_a_valid_key_gets_the_apps_401(make_harness, headers):
     client, holder = full_app(make_harness, api_keys=("sk-1",))
     try:
-        assert refusal().answer("POST", "/v1/chat/completions", headers) is None
-        assert refusal().answer("POST", "/v1/chat/completions", [("x-api-key", "sk-1")]) is not None
+        assert early(client).answer("POST", "/v1/chat/completions", headers) is None
+        assert early(client).answer("POST", "/v1/chat/completions", [("x-api-key", "sk-1")]) is not None
     finally:
         holder.release()
 
 
 def test_a_server_with_room_is_left_to_the_app(make_harness):
-    make_harness(max_waiting=1).app()
-    assert refusal().answer("POST", "/v1/chat/completions", []) is None
+    app = make_harness(max_waiting=1).app()
+    assert deps_of(app).refusal.answer("POST", "/v1/chat/completions", []) is None
 
 
 HEAD = (b"POST /v1/chat/completions?x=1 HTTP/1.1\r\nHost: h\r\nContent-Type: application/json\r\n"
@@ -156,10 +161,10 @@ def test_the_early_answer_asks_for_the_client_the_app_would_name(make_harness, h
     """With spare places (TURBOSPARK_MAX_PAUSED) the server is full only for a client at its share;
     the worker must ask for the client the app would name, not for nobody."""
     h = make_harness(max_waiting=0, max_paused=2)
-    h.client()                                            # builds the app, which installs its refusal
+    client = h.client()
     holder = h.service.queue.enqueue(client="addr:10.0.0.7")
     try:
-        answer = refusal().answer("POST", "/v1/completions", list(headers.items()), peer)
+        answer = early(client).answer("POST", "/v1/completions", list(headers.items()), peer)
     finally:
         holder.release()
     assert (answer is not None) == refused
@@ -194,7 +199,7 @@ def test_the_early_413_is_the_apps_413(make_harness, path):
     head = (f"POST {path} HTTP/1.1\r\nHost: h\r\n" + "".join(f"{k}: {v}\r\n" for k, v in headers.items())
             + f"Content-Length: {len(BODY)}\r\n\r\n").encode()
     assert framing.feed(head) == "refuse"
-    answer = refusal().refuse("POST", path, framing.head.fields, None, framing.refused.status,
+    answer = early(client).refuse("POST", path, framing.head.fields, None, framing.refused.status,
                               framing.refused.message)
     assert resp.status == answer.status and resp.status_int == 413
     assert json.loads(answer.body) == resp.json

@@ -6,7 +6,6 @@ import logging
 import falcon
 import falcon.media
 
-from .. import metrics
 from ..config import Config
 from ..errors import (ApiError, EngineError, InvalidRequest, MethodNotAllowed, NotFound, PayloadTooLarge,
                       Unauthorized, UnsupportedMediaType)
@@ -14,9 +13,10 @@ from ..serving import compute
 from ..serving.batch_store import open_batch_store
 from ..serving.response_store import open_store
 from ..serving.service import Service
-from . import refusal
 from .batch_runner import BatchRunner
+from .deps import AppDeps, AppWithDeps
 from .middleware import ApiKeyAuth, BodyLimit, Cors, RequestContext, request_id
+from .refusal import EarlyRefusal
 from .resources.batches import BatchCancel, BatchItem, Batches, FileContent, FileItem, Files
 from .resources.chat import ChatCompletions
 from .resources.completions import Completions
@@ -40,30 +40,31 @@ _FROM_STATUS = {400: InvalidRequest, 401: Unauthorized, 404: NotFound, 405: Meth
                 413: PayloadTooLarge, 415: UnsupportedMediaType}
 
 
-def create_app(config=None, service=None):
+def create_app(config=None, service=None, deps=None):
     """Builds the WSGI app.
 
     `config`: a `Config` (default `Config()`; `wsgi.py` passes `Config.from_env()`).
     `service`: a `Service` to use (tests inject one built on a fake registry); by default one is
-    built from `config`. When `config.load_default` is true the default model starts loading on
-    a background thread at once, so call this in the worker process (gunicorn `preload_app=False`);
-    `/health` answers 503 until the model is loaded.
+    built from `config`. `deps`: the app's AppDeps (deps.py; by default built from `config` and
+    `service`), which the app carries (`deps_of`) instead of installing them anywhere; it starts
+    this process's compute thread with them. When `config.load_default` is true the default model
+    starts loading on a background thread at once, so call this in the worker process (gunicorn
+    `preload_app=False`); `/health` answers 503 until the model is loaded.
     """
     config = config or Config()
-    compute.configure(config.compute_nice, config.front_door)
-    compute.front_door().on_wait = metrics.record_front_door_wait
     service = service or Service(config)
+    deps = deps or AppDeps.build(config, early_refusal(config, service))
+    compute.start(deps.compute, deps.door)     # NOTE(one-thread): before any engine work
     # NOTE(order): CORS answers preflights before auth; its process_response also reaches 401s.
-    app = falcon.App(middleware=[RequestContext(config.replica_id, config.body_timeout),
-                                 Cors(config.cors_origins), ApiKeyAuth(config.api_keys),
-                                 BodyLimit(config.max_body, {"/v1/files": config.batch_file_bytes + MULTIPART_HEADS})])
+    app = AppWithDeps(deps, middleware=[RequestContext(config.replica_id, config.body_timeout),
+                                        Cors(config.cors_origins), ApiKeyAuth(config.api_keys),
+                                        BodyLimit(config.max_body,
+                                                  {"/v1/files": config.batch_file_bytes + MULTIPART_HEADS})])
     app.req_options.strip_url_path_trailing_slash = True
     json_handler = falcon.media.JSONHandler(dumps=functools.partial(
         json.dumps, ensure_ascii=False, separators=(",", ":")))
     app.resp_options.media_handlers[falcon.MEDIA_JSON] = json_handler
     runner = add_routes(app, service, config)
-    # NOTE(overload): the worker answers these routes' first refusal (a full server) from the head
-    refusal.install(service.check_room, config, REFUSED_WHEN_FULL, envelope_for, BODY_ROUTES)
     app.add_error_handler(Exception, _handle_unexpected)
     app.add_error_handler(falcon.HTTPError, _handle_http_error)
     app.add_error_handler(ApiError, _handle_api_error)
@@ -71,6 +72,13 @@ def create_app(config=None, service=None):
         service.start_loading()
         runner.start()          # NOTE(resume): batches a stopped server left go on
     return app
+
+
+def early_refusal(config, service):
+    """The app's EarlyRefusal: a full server's 503 on the generation routes and a body's 413 on
+    every JSON route, as `service` and the error handlers below would answer them."""
+    # NOTE(overload): the worker answers these routes' first refusal (a full server) from the head
+    return EarlyRefusal(service.check_room, config, REFUSED_WHEN_FULL, envelope_for, BODY_ROUTES)
 
 
 MULTIPART_HEADS = 64 * 1024     # bytes an upload's body may hold beyond its file: the form's other parts

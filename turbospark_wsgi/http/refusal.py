@@ -1,10 +1,11 @@
 """A full server's 503, and a body's 413 or 400, answered by the worker from a request's head alone.
 
 When every running slot and every queue place is taken, a generation route refuses a request
-before its first step anyway (`Service.check_room`). The worker asks `refusal()` as soon as a
-request's head is in and, when it gets an answer, writes it on the loop that read the head: no
-worker thread, no environ, no Falcon. It is the app's answer byte for byte (status, envelope,
-Retry-After, request id, replica, CORS headers) and logs the same access line and metrics.
+before its first step anyway (`Service.check_room`). The worker asks the EarlyRefusal of the app it
+serves (`deps_of(app).refusal`, deps.py) as soon as a request's head is in and, when it gets an
+answer, writes it on the loop that read the head: no worker thread, no environ, no Falcon. It is
+the app's answer byte for byte (status, envelope, Retry-After, request id, replica, CORS headers)
+and logs the same access line and metrics.
 
 Anything the app would answer otherwise goes the normal way: another method or route, a missing or
 wrong API key (401), a Content-Length over the limit or not a plain number (413, 400), a chunked
@@ -12,7 +13,7 @@ body or `Expect` (the server's reader owns those), a header the app would see jo
 `refuse()` gives the app's 413 (or 400) for a body the worker's framing (framing.py) already knows
 is over the limit (or unreadable), before anything of it is read: no `100 Continue`, no wait.
 
-    early = refusal()                                   # None: no app in this process
+    early = deps_of(app).refusal                        # the app's own, built by create_app
     answer = early.answer("POST", "/v1/messages", [("x-api-key", "k"), ...], peer=("10.0.0.2", 5123))
     if answer is not None:                              # an Answer: the server is full
         send(answer.status, answer.headers, answer.body); answer.log()
@@ -34,22 +35,6 @@ _ONCE = frozenset(("authorization", "x-api-key", "x-request-id", "origin", "cont
                    "x-forwarded-ssl", "x-forwarded-protocol"))
 _NUMBER = re.compile(r"0|[1-9][0-9]{0,14}")
 _BODY_ERRORS = {400: InvalidRequest, 413: PayloadTooLarge}
-_installed = None
-
-
-def install(check_room, config, routes, envelope_for, body_routes=()):
-    """Makes the process's early refusals those of an app: `check_room` raises Overloaded when full,
-    `routes` are the POST routes whose first step is that check, `envelope_for(path)` the route's
-    error body builder, `body_routes` the POST routes that read a JSON body (and refuse one over the
-    limit). The last app built in a process wins: a worker builds one."""
-    global _installed
-    _installed = EarlyRefusal(check_room, config, routes, envelope_for, body_routes)
-    return _installed
-
-
-def refusal():
-    """The process's EarlyRefusal, or None when no app was built here."""
-    return _installed
 
 
 @dataclass(slots=True)
@@ -67,6 +52,11 @@ class Answer:
 
 
 class EarlyRefusal:
+    """An app's early answers: `check_room` raises Overloaded when full, `routes` are the POST routes
+    whose first step is that check, `envelope_for(path)` the route's error body builder,
+    `body_routes` the POST routes that read a JSON body (and refuse one over the limit). Each app
+    has its own (AppDeps), which the worker serving it finds through the app."""
+
     def __init__(self, check_room, config, routes, envelope_for, body_routes=()):
         self._check_room = check_room
         self._routes = frozenset(routes)

@@ -14,7 +14,8 @@ Under both, a full server's 503 to a generation request (refusal.py) is written 
 request is in: by the loop itself under gthread; under gevent from the bytes the socket holds, before
 gunicorn's parser runs (or, for a body that came later, before the environ is built). While the loop
 answers such a burst the compute thread gives way (compute.FrontDoor), and each worker grows its
-descriptor table before it starts a thread (reserve_descriptors).
+descriptor table before it starts a thread (reserve_descriptors). The early refusal and the door
+are the app's (AppDeps): each worker finds them through the app it loaded (`self.wsgi`).
 
 A head not complete within TURBOSPARK_HEADER_TIMEOUT, or a buffered body not complete within
 TURBOSPARK_BODY_TIMEOUT, gets a 408 and the connection is closed.
@@ -43,8 +44,8 @@ from gunicorn.workers import ggevent, gthread
 
 from ..config import Config
 from ..serving import compute, registry
+from .deps import deps_of
 from .framing import REFUSE, WAIT, WHOLE, Framing
-from .refusal import refusal
 
 _RECV = 256 * 1024
 LOG_DELAY = 0.5                             # seconds an early answer's access line may wait for a burst's end
@@ -63,13 +64,23 @@ _WAIT, _READY, _EXPIRED, _CLOSED = "wait", "ready", "expired", "closed"
 class _ProcessSetup:
     """What both workers set in their process before gunicorn's own init, while it has one thread:
     the GIL switch interval, a descriptor table grown for their connections, and the heap frozen
-    after each model load (registry.freeze_after_load)."""
+    after each model load (registry.freeze_after_load); then, from the app they load, its early
+    refusal (`early`) and its front door (`door`)."""
 
     def init_process(self):
         sys.setswitchinterval(SWITCH_INTERVAL)
         reserve_descriptors(self.worker_connections + SPARE_DESCRIPTORS)
         registry.freeze_after_load()
         super().init_process()
+
+    def load_wsgi(self):
+        """Loads the app (gunicorn's), then takes the AppDeps it was built with. An app without them
+        (another app, gunicorn's error app after a reload's syntax error) answers every request
+        itself, and its loop claims a door that no compute thread waits at."""
+        super().load_wsgi()
+        deps = deps_of(self.wsgi)
+        self.early = deps.refusal if deps else None
+        self.door = deps.door if deps else compute.FrontDoor()
 
 
 class ThreadWorker(_ProcessSetup, gthread.ThreadWorker):
@@ -100,7 +111,7 @@ class ThreadWorker(_ProcessSetup, gthread.ThreadWorker):
     def accept(self, listener):
         """Accepts every connection waiting (up to worker_connections), not one per poller turn."""
         name = listener.getsockname()
-        door = compute.front_door()
+        door = self.door
         while self.nr_conns < self.worker_connections:
             try:
                 client, addr = listener.accept()
@@ -176,9 +187,9 @@ class ThreadWorker(_ProcessSetup, gthread.ThreadWorker):
             self.finish_request(conn, fs)
 
     def answer_early(self, conn):
-        """Writes the app's answer from the head when refusal() has one (a full server's 503, a body's
-        413 or 400 that its framing already decides); True if it did."""
-        early, framing = refusal(), conn.framing
+        """Writes the app's answer from the head when its early refusal has one (a full server's 503,
+        a body's 413 or 400 that its framing already decides); True if it did."""
+        early, framing = self.early, conn.framing
         head = framing.head if early and framing else None
         if head is None:
             return False
@@ -195,7 +206,7 @@ class ThreadWorker(_ProcessSetup, gthread.ThreadWorker):
             return False
         if answer is None:
             return False
-        compute.front_door().claim()
+        self.door.claim()
         data = response_bytes(answer, head.version, keepalive)
         try:
             sent = conn.sock.send(data, socket.MSG_DONTWAIT)
@@ -327,7 +338,7 @@ class GeventWorker(_ProcessSetup, ggevent.GeventWorker):
     def handle(self, listener, client, addr):
         import gevent
 
-        compute.front_door().arrived()
+        self.door.arrived()
         if self.answer_early(client, addr):
             util.close(client)
             return
@@ -346,7 +357,7 @@ class GeventWorker(_ProcessSetup, ggevent.GeventWorker):
         request it did not answer still unread: the bytes are only peeked at until answered."""
         import gevent
 
-        early = refusal()
+        early = self.early
         if early is None or self.cfg.is_ssl or negotiation.prior_knowledge_allowed(self.cfg, addr):
             return False
         client.setblocking(1)
@@ -374,7 +385,7 @@ class GeventWorker(_ProcessSetup, ggevent.GeventWorker):
                 return False
             if answer is None:
                 return False
-            compute.front_door().claim()
+            self.door.claim()
             keepalive = (state is WHOLE and self.alive and self.cfg.keepalive and head.version == 1
                          and not wants_close(head.fields))
             try:
@@ -423,7 +434,7 @@ class GeventWorker(_ProcessSetup, ggevent.GeventWorker):
         entry = self.connections.get(gevent.getcurrent())
         if entry is not None:
             entry[1] = req.unreader
-        early = refusal()
+        early = self.early
         answer = early and early.answer(req.method, req.path, req.headers, addr)
         if not answer:
             return super().handle_request(listener_name, req, sock, addr)

@@ -15,13 +15,20 @@ Work that may take long but must not hold the compute thread (compiling a client
 `aside`: on a small pool of its own, at a lower priority still, waited for with a limit.
 
 While the request loop answers a burst (a full server's 503s, many connections at once), the compute
-thread gives way between two layers of its forward pass (`front_door()`, engine/yielding.py):
-up to 50 ms at once, never more than a fifth of its time.
+thread gives way between two layers of its forward pass (a FrontDoor, engine/yielding.py): up to
+50 ms at once, never more than a fifth of its time.
+
+The thread is the process's (one lock queue, one engine per process), so it is the one thing here
+made once per process; how it runs comes from the app that starts it, not from module settings:
+
+    compute.start(ComputeSettings.from_config(config), door)   # create_app: nice level, the gate
+    compute.run(fn, *args)                                      # anyone: fn on the compute thread
 """
 import os
 import sys
 import threading
 import time
+from dataclasses import dataclass
 
 from ..config import DEFAULT_NICE
 from ..engine import yielding
@@ -31,16 +38,20 @@ ASIDE_THREADS = 2           # NOTE(aside): a job past its caller's limit runs on
 # NOTE(fork): held only for the few microseconds it takes to build the executor, never across a
 # cooperative switch, so a lock made before gevent patches (preload_app) cannot deadlock the hub.
 _guard = threading.Lock()
-_nice = DEFAULT_NICE            # set by configure (Config.compute_nice, TURBOSPARK_COMPUTE_NICE)
-_give_way = True                # set by configure (Config.front_door, TURBOSPARK_FRONT_DOOR)
 
 
-def configure(nice, give_way=True):
-    """The nice increment of the compute thread this process creates next (create_app calls it
-    before any engine work, so the thread made after fork takes it), and whether that thread gives
-    way to the request loop's bursts."""
-    global _nice, _give_way
-    _nice, _give_way = int(nice), bool(give_way)
+@dataclass(frozen=True, slots=True)
+class ComputeSettings:
+    """How a compute thread runs: `nice` added to the process's priority (Config.compute_nice,
+    TURBOSPARK_COMPUTE_NICE; 0 = unchanged; the aside pool takes twice as much), and whether it
+    gives way at its app's FrontDoor (Config.front_door, TURBOSPARK_FRONT_DOOR)."""
+
+    nice: int = DEFAULT_NICE
+    give_way: bool = True
+
+    @classmethod
+    def from_config(cls, config):
+        return cls(int(config.compute_nice), bool(config.front_door))
 
 
 class FrontDoor:
@@ -61,7 +72,7 @@ class FrontDoor:
     SAVED = 0.05
     REFUSING = 1.0
 
-    def __init__(self, clock=time.monotonic, sleep=None):
+    def __init__(self, clock=time.monotonic, sleep=None, on_wait=None):
         self._clock = clock
         self._sleep = sleep or _native_sleep()
         self._claimed = False
@@ -70,7 +81,7 @@ class FrontDoor:
         self._counted = clock()     # the budget is filled up to then
         self._last_arrival = self._last_claim = float("-inf")
         self.waited = 0.0           # seconds the compute thread gave way, in all
-        self.on_wait = None         # called with each wait's seconds (the app's metrics)
+        self.on_wait = on_wait      # called with each wait's seconds (the app's metrics)
 
     def claim(self):
         self._until = self._last_claim = self._clock() + self.HOLD
@@ -106,17 +117,6 @@ class FrontDoor:
                 self.on_wait(waited)
 
 
-_door = None
-
-
-def front_door():
-    """This process's FrontDoor (made on first use; the compute thread's gate once it starts)."""
-    global _door
-    if _door is None:
-        _door = FrontDoor()
-    return _door
-
-
 def _native_sleep():
     """time.sleep as the OS has it: under gevent the patched one would switch greenlets on a hub
     that the compute thread does not run."""
@@ -124,6 +124,17 @@ def _native_sleep():
         from gevent import monkey
         return monkey.get_original("time", "sleep")
     return time.sleep
+
+
+def start(settings, door=None):
+    """Makes this process's compute thread now: at `settings.nice`, giving way at `door` (a
+    FrontDoor) when `settings.give_way`. Returns its executor.
+
+    NOTE(one-thread): the thread belongs to the process, not to an app, and its priority can only
+    go down: once made (by an earlier start, or by work submitted before any), it stays as it was
+    made and a later start only returns it. A server's worker builds one app, which starts it
+    before any engine work."""
+    return _compute.get(settings, door)
 
 
 def submit(fn, *args, **kwargs):
@@ -149,7 +160,7 @@ def _niced(fn, *args):
     # NOTE(gevent): a set of native thread ids, not threading.local, which gevent makes per greenlet
     if threading.get_native_id() not in _lowered:
         _lowered.add(threading.get_native_id())
-        lower_priority(_nice * 2)
+        lower_priority(_compute.made_with[0].nice * 2)
     return fn(*args)
 
 
@@ -163,34 +174,38 @@ def off_hub(fn, *args, **kwargs):
 
 
 def executor():
-    """The process-wide single-thread executor, created on first use after fork."""
+    """The process-wide single-thread executor: the one `start` made, else made now (after fork)
+    as the last one made in this process was, or at the default priority with no gate."""
     return _compute.get()
 
 
 class _PerProcess:
-    """An executor made by `make` on first use in each process (a forked child makes its own)."""
+    """An executor made by `make(*args)` on first use in each process (a forked child makes its own);
+    `made_with` holds the arguments it was last made with, which a make without any reuses."""
 
-    def __init__(self, make):
+    def __init__(self, make, *made_with):
         self._make, self._pool, self._pid = make, None, None
+        self.made_with = made_with
 
-    def get(self):
+    def get(self, *args):
         if self._pool is None or self._pid != os.getpid():
             with _guard:
                 if self._pool is None or self._pid != os.getpid():
-                    self._pool, self._pid = self._make(), os.getpid()
+                    self.made_with = args or self.made_with
+                    self._pool, self._pid = self._make(*self.made_with), os.getpid()
         return self._pool
 
 
-def _make_compute():
+def _make_compute(settings, door):
     pool = _make_executor()
     # NOTE(priority): the first job, so every engine call runs after it, and the threads OpenMP
     # starts for the kernels (on their first parallel region) inherit the thread's priority.
-    pool.submit(lower_priority, _nice)
-    yielding.install(front_door() if _give_way else None)
+    pool.submit(lower_priority, settings.nice)
+    yielding.install(door if settings.give_way else None)
     return pool
 
 
-_compute = _PerProcess(_make_compute)
+_compute = _PerProcess(_make_compute, ComputeSettings(), None)
 _aside = _PerProcess(lambda: _make_executor(ASIDE_THREADS, "turbospark-aside"))
 _off_hub = _PerProcess(lambda: _make_executor(OFF_HUB_THREADS, "turbospark-off-hub"))
 
