@@ -15,25 +15,15 @@ pytest.importorskip("gguf")
 from test_families import family_gguf  # noqa: E402
 from test_gpu_model import assert_same_model  # noqa: E402
 from test_kernels_layer import assert_fused_follows_step_by_step  # noqa: E402
-from test_native_kernels import _k_quant_rows  # noqa: E402
+from test_native_kernels import k_quant_llama  # noqa: E402
 
 NAMES = [v.name for v in layer_variants.VARIANTS]
-
-
-def _k_quants(tiny_gguf):
-    """A llama whose matrices are Q4_K and Q6_K, as a Q4_K_M file mixes them."""
-    rng = np.random.default_rng(21)
-    dims = {"attn_q": (256, 256), "attn_k": (128, 256), "attn_output": (256, 256), "ffn_gate": (512, 256),
-            "ffn_up": (512, 256), "attn_v": (128, 256), "ffn_down": (256, 512)}
-    raw = {f"blk.{i}.{name}.weight": _k_quant_rows(rng, 14 if name in ("attn_v", "ffn_down") else 12, n, k)
-           for i in range(2) for name, (n, k) in dims.items()}
-    return tiny_gguf(qtype="Q8_0", raw=raw, hidden_size=256, intermediate_size=512).path
 
 
 MODELS = {
     "llama Q8_0": lambda tiny_gguf, tmp_path: tiny_gguf(qtype="Q8_0").path,
     "llama Q4_0 tied": lambda tiny_gguf, tmp_path: tiny_gguf(qtype="Q4_0", tied=True).path,
-    "llama Q4_K/Q6_K": lambda tiny_gguf, tmp_path: _k_quants(tiny_gguf),
+    "llama Q4_K/Q6_K": lambda tiny_gguf, tmp_path: k_quant_llama(tiny_gguf),
     "gemma3 Q8_0": lambda tiny_gguf, tmp_path: family_gguf(tmp_path, "gemma3", "Q8_0")[0],
 }
 
@@ -84,7 +74,7 @@ def test_a_layer_that_mixes_block_kinds_runs_fused_in_c(tiny_gguf):
     """NOTE(layer-parts): q|k in Q4_K and v in Q6_K (a Q4_K_M layer) are two parts of one product;
     the C layer runs them, each in its own blocks."""
     _needs("native")
-    model = load_model(_k_quants(tiny_gguf), device="cpu", kernels="native", activations="int8").model
+    model = load_model(k_quant_llama(tiny_gguf), device="cpu", kernels="native", activations="int8").model
     assert [len(ps) for ps in model._layer_args[0][-1]] == [2, 1, 1, 1]
     assert model.variant.name == "native" and model.new_cache(1).k.dtype == np.float16
 
@@ -104,5 +94,5 @@ def test_the_choice_follows_the_call(tiny_gguf, monkeypatch):
 def test_every_variant_names_a_registered_reference_and_a_contract():
     for v in layer_variants.VARIANTS:
         assert v.equals in NAMES and v.within in ("int8", "float", "bits") and v.where
-        assert v.fused == (v.name in layer_variants.RUN)
+        assert v.fused == (v.name in ("native", "numba"))       # the CPU layer kernels alone
     assert NAMES[-1] == "spec" and layer_variants.VARIANTS[-1].runs(None)   # the spec runs whatever else does not

@@ -225,15 +225,21 @@ def _k_quant_rows(rng, gtype, n, k):
     return raw.reshape(n, -1), gtype
 
 
-def test_a_k_quant_model_gets_the_same_bits_on_every_path_and_follows_numba(tiny_gguf):
-    """NOTE(k-scales) in the C layer: Q4_K and Q6_K matrices (as a Q4_K_M file mixes them), a prompt
-    of 8 rows (PERF(k-scales-rows)'s converted scales) and decode rows (the integers read directly)."""
+def k_quant_llama(tiny_gguf):
+    """A tiny llama whose matrices are Q4_K, with attn_v and ffn_down in Q6_K, as a Q4_K_M file
+    mixes them (q|k and v: two parts of one product, NOTE(layer-parts))."""
     rng = np.random.default_rng(21)
     dims = {"attn_q": (256, 256), "attn_k": (128, 256), "attn_output": (256, 256), "ffn_gate": (512, 256),
             "ffn_up": (512, 256), "attn_v": (128, 256), "ffn_down": (256, 512)}
     raw = {f"blk.{i}.{name}.weight": _k_quant_rows(rng, 14 if name in ("attn_v", "ffn_down") else 12, n, k)
            for i in range(2) for name, (n, k) in dims.items()}
-    path = tiny_gguf(qtype="Q8_0", raw=raw, hidden_size=256, intermediate_size=512).path
+    return tiny_gguf(qtype="Q8_0", raw=raw, hidden_size=256, intermediate_size=512).path
+
+
+def test_a_k_quant_model_gets_the_same_bits_on_every_path_and_follows_numba(tiny_gguf):
+    """NOTE(k-scales) in the C layer: Q4_K and Q6_K matrices (as a Q4_K_M file mixes them), a prompt
+    of 8 rows (PERF(k-scales-rows)'s converted scales) and decode rows (the integers read directly)."""
+    path = k_quant_llama(tiny_gguf)
     runs = {p: _logits(_model(path, p)) for p in PATHS}
     first = runs[PATHS[0]]
     assert np.isfinite(first).all()

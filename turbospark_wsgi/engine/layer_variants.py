@@ -15,6 +15,7 @@ Contracts (`Variant.equals`, `Variant.within`):
   exp/tanh), which can tip an activation's int8 rounding: nine rows in ten equal to float32 noise,
   none off by more than 2% of the largest value (test_kernels_layer.assert_fused_follows_step_by_step).
 - "float": the same float32 arithmetic in another order: within 1e-4 of the largest logit.
+- "bits": the specification itself.
 """
 from dataclasses import dataclass
 from typing import Callable
@@ -29,15 +30,20 @@ from .kernels import cpu as kernels_cpu, layer as kernels_layer
 class Variant:
     name: str
     runs: Callable          # runs(model) -> bool: this variant runs the model's next call
-    fused: bool             # one kernel call per layer (model._fused_layers), else DecoderLayers.run
     equals: str             # the variant (or "spec") it is tested against
     within: str             # the contract: "int8", "float" or "bits"
     where: str              # the code, for a reader
+    run: Callable = None    # the fused variants' layer loop (model._fused_layers), else DecoderLayers.run
+
+    @property
+    def fused(self):
+        """One kernel call per layer."""
+        return self.run is not None
 
 
 def fusable(model):
     """Whether the model's layers can run as one CPU kernel call each: numpy backend, int8
-    activations, every product one part on the int8 kernels, and the plan's switch on."""
+    activations, every product's parts on the int8 kernels, and the plan's switch on."""
     if model.kernels is not None or model.xp is not np:
         return False
     if not (model.plan.fused and (kernels_cpu.ACTIVATIONS or model.plan.activations) == "int8"):
@@ -84,18 +90,17 @@ def warm_numba(model):
 
 
 VARIANTS = (
-    Variant("native", lambda m: fusable(m) and m.native is not None, True, "spec", "int8",
-            "kernels/native.c ts_layer (native_layers here)"),
+    Variant("native", lambda m: fusable(m) and m.native is not None, "spec", "int8",
+            "kernels/native.c ts_layer", native_layers),
     # numba's layer takes one part a product: a layer that mixes block kinds in one (a Q4_K_M
     # layer's q|k in Q4_K, v in Q6_K) runs the C layer, or the specification without it
     Variant("numba", lambda m: fusable(m) and m.native is None and all(map(kernels_layer.one_part, m._layer_args)),
-            True, "spec", "int8", "kernels/layer.py layer (numba_layers here)"),
-    Variant("device", lambda m: m.kernels is not None, False, "spec", "float",
+            "spec", "int8", "kernels/layer.py layer", numba_layers),
+    Variant("device", lambda m: m.kernels is not None, "spec", "float",
             "the specification's steps with gpu/launch.py kernels for norms, gates, rotary, decode "
             "K/V stores and attention (gpu/model.py DeviceTransformer)"),
-    Variant("spec", lambda m: True, False, "spec", "bits", "model.DecoderLayers.run on the array module"),
+    Variant("spec", lambda m: True, "spec", "bits", "model.DecoderLayers.run on the array module"),
 )
-RUN = {"native": native_layers, "numba": numba_layers}     # the fused variants' layer loops
 
 
 def choose(model):

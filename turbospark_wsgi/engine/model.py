@@ -193,14 +193,14 @@ class Transformer:
 
     def _fused_layers(self, variant, x, seq, at, caches, ends):
         """Runs every layer on x `[R, dim]` (in place) as one kernel call each of the fused `variant`
-        (layer_variants.RUN): row r is position at[r] of caches[seq[r]], whose K/V it stores;
+        (its `run`): row r is position at[r] of caches[seq[r]], whose K/V it stores;
         caches[s] is first made to hold ends[s] positions. Returns x."""
         for cache, end in zip(caches, ends):
             cache.reserve(int(end))
         kv, elem = kernels_layer.addresses(caches)
         ropes = self.rotary.layers(int(at.max()) + 1)
         self.w.layers[0].wqkv.use_threads(len(x))
-        return layer_variants.RUN[variant.name](self, x, seq, at, kv, elem, ropes)
+        return variant.run(self, x, seq, at, kv, elem, ropes)
 
     def _embed(self, ids):
         w, xp = self.w, self.xp
