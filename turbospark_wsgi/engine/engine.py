@@ -186,7 +186,7 @@ class Engine:
         which of its request's runs this is (n, best_of), so a seeded run draws from seed + choice."""
         prompt_ids = [int(t) for t in prompt_ids]
         self._check_prompt(prompt_ids)
-        return self._events(self.scheduler.add(prompt_ids, params, should_stop, client, cache_salt, background, adapter,
+        return self.drive(self.scheduler.add(prompt_ids, params, should_stop, client, cache_salt, background, adapter,
                                                constraint, choice))
 
     def score(self, prompt_ids, top=0, should_stop=None, client="", cache_salt="", background=False, adapter=None):
@@ -195,7 +195,7 @@ class Engine:
         `next()` runs at most one step, shared with the other runs, and `should_stop` cancels it."""
         prompt_ids = [int(t) for t in prompt_ids]
         self._check_prompt(prompt_ids)
-        return self._events(self.scheduler.add_scoring(prompt_ids, top, should_stop, client, cache_salt, background,
+        return self.drive(self.scheduler.add_scoring(prompt_ids, top, should_stop, client, cache_salt, background,
                                                        adapter))
 
     def load_adapter(self, directory, name, max_rank):
@@ -211,7 +211,10 @@ class Engine:
         """This engine as a generation engine that runs LoRA `adapter` (AdapterEngine)."""
         return AdapterEngine(self, adapter)
 
-    def _events(self, seq):
+    def drive(self, seq):
+        """The events of sequence `seq` until its Finish; each `next()` is Scheduler.poll's, so it
+        runs one step (for every sequence in the batch) only when `seq` has no event waiting. Closing
+        it releases the sequence's slot. serving/steps.py states the whole loop, request to kernel."""
         try:
             while True:
                 for event in self.scheduler.poll(seq):

@@ -5,7 +5,8 @@ Every call runs on one thread (the compute thread). `Scheduler.poll(seq)` return
 sequence has waiting; when it has none, it runs one step for the sequences in the batch: one
 prefill chunk for the oldest one still prefilling (of the client decoding the fewest rows), and one
 batched decode step for all the others.
-So requests that arrive while others decode join the running batch at the next step. The batch is
+So requests that arrive while others decode join the running batch at the next step (the loop
+from a request's thread to this step: serving/steps.py). The batch is
 up to `max_batch` sequences, shared fairly between clients; the others wait paused (`_batch`).
 A decoding sequence may run proposed tokens as further rows of its step (speculative.py); the
 tokens a step keeps beyond the first reach its reader one per poll, as separate steps would.

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from ..engine import ConstraintError, Finish, FinishReason, Paused, Prefill, Scores, Token
 from ..errors import ApiError, EngineError, InvalidRequest
-from . import compute, priority
+from .steps import EngineSteps
 
 log = logging.getLogger("turbospark.service")
 
@@ -317,7 +317,7 @@ class Generation:
         self._cancel, self._ticket, self._time_limit = cancel, ticket, time_limit
         self._pace = Pacer(ticket, keepalive, poll)
         self._tally = Tally(len(ids))
-        self._steps = None
+        self._steps = EngineSteps(self._pace, req.background)
         self._on_token, self._on_close, self._cleaned = [], list(on_close), False
         self._gen = self._events()
 
@@ -381,18 +381,18 @@ class Generation:
         if self._params.logprobs is None:
             return TextDelta(text)
         scored = []
-        self._steps = yield from self._pace.result(compute.submit(
+        yield from self._steps.start(
             self._engine.score, self._ids, self._params.logprobs, should_stop=self._cancel.is_set,
-            client=self._req.client, cache_salt=self._req.cache_salt, background=self._req.background))
+            client=self._req.client, cache_salt=self._req.cache_salt, background=self._req.background)
         while True:
-            event = yield from self._next_event()
+            event = yield from self._steps.next()
             if event is None or isinstance(event, Finish) and event.reason == FinishReason.CANCELLED:
                 return None
             if isinstance(event, Finish):
                 break
             scored += event.entries if isinstance(event, Scores) else []
             yield from self._pace.keep_alive()
-        self._close_steps()
+        self._steps.close()
         tokenizer = self._engine.tokenizer
         return TextDelta(text, [logprob_entry(tokenizer, t, lp, top) for t, (lp, top) in zip(self._ids, scored)])
 
@@ -415,23 +415,23 @@ class Generation:
         if params.max_new_tokens == 0:      # echo only: the prompt was scored, nothing is generated
             yield run.cut()
             return True
-        self._steps = yield from self._pace.result(compute.submit(
+        yield from self._steps.start(
             self._engine.generate, self._ids, params, should_stop=self._cancel.is_set, client=self._req.client,
-            cache_salt=self._req.cache_salt, background=self._req.background, constraint=constraint, choice=i))
+            cache_salt=self._req.cache_salt, background=self._req.background, constraint=constraint, choice=i)
         while True:
-            event = yield from self._next_event()
+            event = yield from self._steps.next()
             if event is None:
                 return False
             if isinstance(event, Finish):
                 # NOTE(slot): closed on the compute thread now, so the next choice (n, best_of) finds
                 # its engine slot free; left to the garbage collector it would close on this thread.
-                self._close_steps()
+                self._steps.close()
             yield from self._send(run, event)
             if isinstance(event, Finish):
                 return event.reason != FinishReason.CANCELLED
             if self._out_of_time():
                 # NOTE(time-limit): text the engine still holds back (a possible stop string) is dropped.
-                self._close_steps()
+                self._steps.close()
                 self.time_limited = True
                 yield run.cut()
                 self.finish_reason = run.finish_reason
@@ -450,24 +450,8 @@ class Generation:
             self._pace.heard()
             yield out
 
-    def _next_event(self):
-        """The run's next engine event (None at its end), one compute job. NOTE(priority): a batch
-        line's job waits while a live request is on its way to its first token, and one that was
-        already queued when it came runs no step (the live request's jobs go first)."""
-        if not self._req.background:
-            return (yield from self._pace.result(compute.submit(next, self._steps, None)))
-        while True:
-            priority.live.hold_back()
-            event = yield from self._pace.result(compute.submit(priority.next_unless_live, self._steps))
-            if event is not priority.HELD:
-                return event
-
     def _out_of_time(self):
         return bool(self._time_limit) and time.monotonic() - self.started_at >= self._time_limit
-
-    def _close_steps(self):
-        steps, self._steps = self._steps, None
-        compute.run(steps.close)
 
     def _cleanup(self):
         if self._cleaned:
@@ -477,8 +461,7 @@ class Generation:
         try:
             if self._pace.pending is not None:
                 self._pace.pending.exception()  # wait for the step in flight; its result no longer matters
-            if self._steps is not None:
-                compute.run(self._steps.close)
+            self._steps.close()
         except Exception:
             log.exception("closing the engine generator failed [request %s]", self.request_id)
         finally:
