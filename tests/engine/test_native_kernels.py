@@ -66,6 +66,26 @@ def test_every_path_gives_the_integer_products_exactly(libs, qtype, path):
     assert np.array_equal(y, y0)                                     # every path, any threads: the same bits
 
 
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+def test_k_quant_scales_of_the_wrong_shape_are_refused_before_c_reads_them(libs, qtype):
+    """The C kernel reads d, m, ds and ms by the weight's T, nu and R alone: a super scale array
+    that does not divide the sub-scales into whole groups (or mins that do not match) is an error
+    in Python, never a read past an array's end."""
+    from turbospark_wsgi.engine import quant
+    lib, p = libs[PATHS[0]], make(qtype, 64, 8)[0].parts[0]
+    qv = quant.prepare(p)
+    lib.weight_from(qv, p)                                          # the weight as made is accepted
+    wrong = [dict(ds=p.ds[:, :1, :-1]), dict(ds=p.ds[:, :, :0]), dict(d=p.d[:, :-1]),
+             dict(d=p.d.astype(np.float32))]
+    if p.m is not None:
+        wrong += [dict(ms=p.ms[:, :, :-1]), dict(m=p.m[:, :-1]), dict(ms=None)]
+    for change in wrong:
+        bad = quant.QWeight(p.kind, p.n, p.k, p.qs, change.get("d", p.d), change.get("m", p.m),
+                            ds=change.get("ds", p.ds), ms=change.get("ms", p.ms))
+        with pytest.raises(ValueError):
+            lib.weight_from(qv, bad)
+
+
 def float32_form(p):
     """QWeight p with float32 scales and every q4 min stored (the layout before quant.py's
     NOTE(scales-f16))."""

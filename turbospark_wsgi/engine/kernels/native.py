@@ -350,6 +350,7 @@ class Library:
         d = np.ascontiguousarray(p.d)
         m = None if p.m is None else np.ascontiguousarray(p.m)
         ds, ms = (None if a is None else np.ascontiguousarray(a, np.float32) for a in (p.ds, p.ms))
+        _check_shapes(qv, d, m, ds, ms)
         T, nu, R = d.shape
         mins = 0 if p.kind == "q8" else 2 if m is None else 1
         per = 32 if mins else qv.shape[3] * 4      # q4 blocks of 32, q8 units of 4 bytes a quad
@@ -367,6 +368,28 @@ class Library:
         seq, pos, cos, sin = _c(seq, np.int64), _c(pos, np.int64), _c(cos, np.float32), _c(sin, np.float32)
         self._check(self._lib.ts_layer(weights.ref, _addr(x), x.shape[0], _addr(seq), _addr(pos), _addr(kv), int(half),
                                        li, window, _addr(cos), _addr(sin), cos.shape[-1], threads), "ts_layer")
+
+
+def _check_shapes(qv, d, m, ds, ms):
+    """ValueError unless the arrays weight_from hands to C agree on their shapes: the kernel reads
+    them by the weight's T, nu and R alone, so a mismatch would read past an array's end.
+    qv [T, nu, R/16, quads, 16, 4]; d, m [T, nu, R]; ds, ms [T, nu/group, R] with a whole group."""
+    if d.ndim != 3 or qv.ndim != 6 or qv.shape[:3] != (d.shape[0], d.shape[1], d.shape[2] // qv.shape[4]) \
+            or d.shape[2] % qv.shape[4]:
+        raise ValueError(f"int8 blocks {qv.shape} do not match scales {d.shape}")
+    if m is not None and m.shape != d.shape:
+        raise ValueError(f"mins {m.shape} do not match scales {d.shape}")
+    if ds is None:
+        if ms is not None:
+            raise ValueError("super mins without super scales")
+        return
+    T, nu, R = d.shape
+    if ds.ndim != 3 or ds.shape[0] != T or ds.shape[2] != R or not ds.shape[1] or nu % ds.shape[1]:
+        raise ValueError(f"super scales {ds.shape} do not divide scales {d.shape} into whole groups")
+    if d.dtype not in (np.uint8, np.int8):
+        raise ValueError(f"K-quant sub-scales are 8-bit integers, not {d.dtype}")
+    if (ms is None) != (m is None) or ms is not None and ms.shape != ds.shape:
+        raise ValueError(f"super mins {None if ms is None else ms.shape} do not match super scales {ds.shape}")
 
 
 def main(argv=None):
