@@ -42,6 +42,46 @@ def write_base(directory, family="llama", seed=0, **overrides):
     return Path(directory)
 
 
+def write_gguf_base(directory, qtype="Q8_0", seed=0):
+    """A tiny random llama as a GGUF file (`qtype` matrices, q/k rows permuted as llama.cpp's
+    converter does) beside the Hugging Face directory of the values the file holds (so transformers
+    runs the same model); returns (GGUF path, HF directory)."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    cfg = tiny.hf_config(2, False, **FAMILIES["llama"])
+    held = tiny.write_gguf(directory / f"base-{qtype}.gguf", cfg, tiny.random_state(cfg, seed), qtype)
+    tiny.write_hf_dir(directory / "held", cfg, held)
+    return directory / f"base-{qtype}.gguf", directory / "held"
+
+
+GGUF_TENSORS = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
+                "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
+
+
+def write_gguf_adapter(path, adapter, cfg, arch="llama", alpha=None, dtype=np.float32, extra=None):
+    """PEFT adapter directory `adapter` as llama.cpp's convert_lora_to_gguf.py writes it: general.type
+    "adapter", adapter.type "lora", adapter.lora.alpha (the config's lora_alpha unless given), each
+    A and B as blk.N.<tensor>.weight.lora_a / .lora_b, B's q/k rows permuted as the base's are (llama).
+    `extra`: {tensor name: array} added as they are. Returns `path`."""
+    import gguf
+    from safetensors.numpy import load_file
+    config = json.loads((Path(adapter) / "adapter_config.json").read_text())
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_type("adapter")
+    w.add_string("adapter.type", "lora")
+    w.add_float32("adapter.lora.alpha", float(config["lora_alpha"] if alpha is None else alpha))
+    heads = {"q_proj": cfg["num_attention_heads"], "k_proj": cfg["num_key_value_heads"]}
+    for name, value in sorted(load_file(str(Path(adapter) / "adapter_model.safetensors")).items()):
+        layer, module, ab = name.split(".layers.")[1].split(".")[0], name.split(".")[-3], name.split(".")[-2][-1]
+        if ab == "B" and module in heads and arch == "llama":
+            value = tiny.llama_cpp_permute(value, heads[module])
+        w.add_tensor(f"blk.{layer}.{GGUF_TENSORS[module]}.weight.lora_{ab.lower()}", value.astype(dtype))
+    for name, value in (extra or {}).items():
+        w.add_tensor(name, value)
+    tiny.finish_gguf(w)
+    return Path(path)
+
+
 def reference(base):
     """transformers' float32 model of the base directory (eager attention, eval mode)."""
     import torch
@@ -86,3 +126,24 @@ def edit_config(adapter, **changes):
         else:
             config[key] = value
     path.write_text(json.dumps(config))
+
+
+def lora_app(models, base, activations):
+    """A webtest app serving the models directory `models` with `base` the default model."""
+    import webtest
+    from turbospark_wsgi.config import Config
+    from turbospark_wsgi.http.app import create_app
+    config = Config(models_dir=str(models), model=base, device="cpu", load_default=False, keepalive=0.5,
+                    activations=activations, speculative="off")
+    return webtest.TestApp(create_app(config))
+
+
+def complete(client, model, **kw):
+    """POST /v1/completions of a fixed prompt, greedy, 12 tokens; the response, whatever its status."""
+    body = {"model": model, "prompt": "Once upon a time", "max_tokens": 12, "temperature": 0, **kw}
+    return client.post_json("/v1/completions", body, expect_errors=True)
+
+
+def listed(client):
+    """GET /v1/models as {id: entry}."""
+    return {m["id"]: m for m in client.get("/v1/models").json["data"]}

@@ -8,10 +8,10 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("peft")
 
-from lora_models import ALL_TARGETS, edit_config, peft_model, reference, write_adapter, write_base  # noqa: E402
+from lora_models import ALL_TARGETS, edit_config, peft_model, reference, tiny, write_adapter, write_base, \
+    write_gguf_adapter, write_gguf_base  # noqa: E402
 from turbospark_wsgi.engine import Finish, SamplingParams, Token, load_engine  # noqa: E402
 from turbospark_wsgi.engine.lora import AdapterError  # noqa: E402
-from turbospark_wsgi.engine.kernels import cpu as kernels_cpu  # noqa: E402
 
 PROMPT = [1, 40, 72, 101, 108, 108, 111, 260, 263, 32, 119, 111, 114, 108, 100, 33, 7, 200, 3, 50]
 STEPS = 16
@@ -194,11 +194,90 @@ def test_refusals(tmp_path, base_engine):
     engine.load_adapter(str(good), "x", 64)                 # the good one loads
 
 
-def test_a_fused_gguf_base_refuses_adapters(tiny_gguf, tmp_path):
-    pytest.importorskip("numba")
-    engine = load_engine(tiny_gguf(qtype="Q8_0").path, device="cpu", activations="int8")
+@pytest.fixture(scope="module")
+def gguf_base(tmp_path_factory):
+    """A Q8_0 GGUF llama running fused int8 layers, its held values as an HF directory, and two
+    adapters of it."""
+    pytest.importorskip("gguf")
+    root = tmp_path_factory.mktemp("gguf-lora")
+    path, held = write_gguf_base(root)
+    engine = load_engine(str(path), device="cpu", activations="int8", max_batch=4, prefill_chunk=8,
+                         speculative="off")
     if not engine.model.fused:
         pytest.skip("this machine does not run fused int8 layers")
-    with pytest.raises(AdapterError, match="GGUF"):
-        engine.load_adapter(str(tmp_path), "x", 64)
-    assert kernels_cpu.AVAILABLE
+    dirs = [write_adapter(root / "a0", held, ALL_TARGETS, r=4, seed=1),
+            write_adapter(root / "a1", held, ["q_proj", "k_proj", "down_proj"], r=8, seed=2)]
+    return engine, held, dirs, [engine.load_adapter(str(d), f"a{i}", 64) for i, d in enumerate(dirs)]
+
+
+def test_an_adapter_on_a_fused_gguf_base_matches_peft(gguf_base):
+    """The GGUF's q/k rows are put in Hugging Face's order at load, so a PEFT adapter made on the
+    Hugging Face model applies unchanged; its rows run step by step on the same int8 products."""
+    engine, held, dirs, adapters = gguf_base
+    for directory, adapter in zip(dirs, adapters):
+        cache = engine.model.new_cache()
+        assert cache.k.dtype == np.float16                         # the fused base's cache format
+        split = len(PROMPT) // 3
+        ours = np.concatenate([engine.model.forward(PROMPT[:split], cache, "all", adapter=adapter),
+                               engine.model.forward(PROMPT[split:], cache, "all", adapter=adapter)])
+        want = ref_logits(peft_model(held, directory), PROMPT)
+        assert np.abs(ours - want).max() <= INT8_TOL * np.abs(want).max(), np.abs(ours - want).max()
+        assert np.abs(ref_logits(reference(held), PROMPT) - want).max() > 0.1
+    base = engine.model.forward(PROMPT, engine.model.new_cache(), "all")
+    assert np.abs(base - ref_logits(reference(held), PROMPT)).max() <= INT8_TOL * np.abs(base).max()
+
+
+def test_a_fused_gguf_batch_mixing_adapters_and_the_base_gives_each_what_it_gets_alone(gguf_base):
+    """Base rows run the fused layers, adapter rows step by step beside them in the same step."""
+    engine, _, _, adapters = gguf_base
+    jobs = list(zip([PROMPT, PROMPT[:7], PROMPT[3:], PROMPT[::-1]], [None, adapters[0], None, adapters[1]]))
+    engine.scheduler.slots.clear()
+    alone = [_run_together(engine, [job])[0] for job in jobs]
+    engine.scheduler.slots.clear()
+    assert _run_together(engine, jobs) == alone                   # ids and logprobs, bit for bit
+    same = _run_together(engine, [(PROMPT, a) for a in [None] + adapters])
+    assert len({tuple(t for t, _, _ in run) for run in same}) == 3
+    assert engine.model.variant.name in ("native", "numba")       # the base still runs fused
+
+
+def test_a_gguf_lora_file_is_the_peft_adapter_it_was_converted_from(gguf_base, tmp_path):
+    """llama.cpp's GGUF LoRA (its converter's names, B's q/k rows permuted, alpha / rank): the
+    same logits, bit for bit, as the PEFT directory it came from; on the float32 path of an HF base too."""
+    engine, held, dirs, adapters = gguf_base
+    cfg = json.loads((held / "config.json").read_text())
+    for directory, peft in zip(dirs, adapters):
+        converted = engine.load_adapter(str(write_gguf_adapter(tmp_path / f"{directory.name}.gguf", directory, cfg)),
+                                        "converted", 64)
+        assert (converted.rank, converted.scale, converted.targets) == (peft.rank, peft.scale, peft.targets)
+        got, want = (engine.model.forward(PROMPT, engine.model.new_cache(), "all", adapter=a) for a in (converted, peft))
+        assert np.array_equal(got, want)
+    hf = load_engine(str(held), device="cpu", activations="float32", max_batch=1)
+    converted = hf.load_adapter(str(tmp_path / "a0.gguf"), "converted", 64)
+    ours = hf.model.forward(PROMPT, hf.model.new_cache(), "all", adapter=converted)
+    assert np.abs(ours - ref_logits(peft_model(held, dirs[0]), PROMPT)).max() <= TOL
+
+
+def test_gguf_lora_files_that_do_not_fit_are_refused_naming_why(gguf_base, tmp_path):
+    engine, held, dirs, _ = gguf_base
+    cfg = json.loads((held / "config.json").read_text())
+    bad = {
+        "not a GGUF": lambda p: p.write_bytes(b"not a gguf file at all"),
+        "not a LoRA adapter": lambda p: tiny.write_gguf(p, cfg, tiny.random_state(cfg, 0), "F32"),
+        "for 'qwen2' models": lambda p: write_gguf_adapter(p, dirs[0], cfg, arch="qwen2"),
+        "not a LoRA matrix": lambda p: write_gguf_adapter(p, dirs[0], cfg, extra={"blk.0.attn_norm.weight": np.ones(64, np.float32)}),
+        "for layer 7": lambda p: write_gguf_adapter(p, dirs[0], cfg, extra={
+            "blk.7.attn_q.weight.lora_a": np.ones((4, 64), np.float32), "blk.7.attn_q.weight.lora_b": np.ones((64, 4), np.float32)}),
+        "lora_b missing": lambda p: write_gguf_adapter(p, dirs[1], cfg, extra={
+            "blk.0.attn_v.weight.lora_a": np.ones((8, 64), np.float32)}),
+        "ranks": lambda p: write_gguf_adapter(p, dirs[1], cfg, extra={
+            "blk.0.attn_v.weight.lora_a": np.ones((2, 64), np.float32), "blk.0.attn_v.weight.lora_b": np.ones((32, 2), np.float32)}),
+        "does not fit the model": lambda p: write_gguf_adapter(p, dirs[1], cfg, extra={
+            "blk.0.attn_v.weight.lora_a": np.ones((8, 64), np.float32), "blk.0.attn_v.weight.lora_b": np.ones((7, 8), np.float32)}),
+        "over this server's limit": lambda p: write_gguf_adapter(p, dirs[1], cfg),
+    }
+    for i, (words, make) in enumerate(bad.items()):
+        path = tmp_path / f"bad{i}.gguf"
+        make(path)
+        with pytest.raises(AdapterError, match=words):
+            engine.load_adapter(str(path), "bad", 4 if "limit" in words else 64)
+    assert np.isfinite(engine.model.forward(PROMPT, engine.model.new_cache(), "last")).all()   # unharmed

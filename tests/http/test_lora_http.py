@@ -9,7 +9,7 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("peft")
 
-from lora_models import ALL_TARGETS, write_adapter, write_base  # noqa: E402
+from lora_models import ALL_TARGETS, complete, listed, lora_app, write_adapter, write_base  # noqa: E402
 
 BASE = "tiny-llama"
 
@@ -37,21 +37,11 @@ def models(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(models):
-    import webtest
-    from turbospark_wsgi.config import Config
-    from turbospark_wsgi.http.app import create_app
-    config = Config(models_dir=str(models), model=BASE, device="cpu", load_default=False, keepalive=0.5,
-                    activations="float32", speculative="off")
-    return webtest.TestApp(create_app(config))
-
-
-def complete(client, model, **kw):
-    body = {"model": model, "prompt": "Once upon a time", "max_tokens": 12, "temperature": 0, **kw}
-    return client.post_json("/v1/completions", body, expect_errors=True)
+    return lora_app(models, BASE, "float32")
 
 
 def test_models_lists_adapters_with_their_parent(client):
-    data = {m["id"]: m for m in client.get("/v1/models").json["data"]}
+    data = listed(client)
     assert data["a1"]["parent"] == BASE and data["a1"]["capabilities"] == ["generation"]
     assert data["wide-lora"]["parent"] == BASE
     assert "parent" not in data[BASE]

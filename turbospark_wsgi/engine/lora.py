@@ -1,6 +1,7 @@
 """LoRA adapters in PEFT's format (adapter_config.json + adapter_model.safetensors) on a loaded
-Hugging Face llama or qwen2 model: each target's A and B mapped onto our fused products (q|k|v,
-gate|up), and the low-rank terms y += scale * (x A^T) B^T added to the rows that run an adapter.
+llama or qwen2 model, a Hugging Face directory or a GGUF file (whose q/k rows the loader puts in
+Hugging Face's order: weights.py unpermute_rotary_rows): each target's A and B mapped onto our
+fused products (q|k|v, gate|up), and the low-rank terms y += scale * (x A^T) B^T added to the rows that run an adapter.
 
     adapter = load_adapter("models/my-lora", "my-lora", engine.config, engine.model, max_rank=64)
     events = engine.generate(ids, params, adapter=adapter)
@@ -19,8 +20,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .gguf import GGUFFile, read_metadata, short_repr
 from .safetensors_io import SafetensorsFile
-from .weights import query_scale
+from .weights import gguf_rows_permuted, query_scale, unpermute_rotary_rows
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -75,9 +77,12 @@ def read_adapter_config(directory):
 
 
 def load_adapter(directory, name, cfg, model, max_rank):
-    """The LoraAdapter in PEFT directory `directory` for ModelConfig `cfg` and Transformer `model`,
-    ranks at most `max_rank`. AdapterError naming the problem: an unsupported config, a file that is
-    not safetensors, unknown targets, shapes that do not fit the model, ranks that disagree."""
+    """The LoraAdapter in PEFT directory `directory` (or llama.cpp's GGUF LoRA file: gguf_adapter)
+    for ModelConfig `cfg` and Transformer `model`, ranks at most `max_rank`. AdapterError naming the
+    problem: an unsupported config, a file that is not safetensors, unknown targets, shapes that do
+    not fit the model, ranks that disagree."""
+    if os.path.isfile(directory):
+        return gguf_adapter(directory, name, cfg, model, max_rank)
     config = read_adapter_config(directory)
     rank, scale, targets = _check_config(config, max_rank)
     if cfg.arch not in ARCHES:
@@ -92,14 +97,96 @@ def load_adapter(directory, name, cfg, model, max_rank):
     except (OSError, ValueError) as e:
         raise AdapterError(f"{WEIGHTS_FILE} is not a safetensors file ({e})") from None
     pairs = _pairs(source, cfg, targets)
+    if not pairs:
+        raise AdapterError(f"{WEIGHTS_FILE} holds no LoRA matrices")
+    return _adapter(name, rank, scale, str(config.get("base_model_name_or_path") or ""), source, pairs, cfg, model)
+
+
+def _adapter(name, rank, scale, base, source, pairs, cfg, model):
+    """The LoraAdapter of `pairs` ({(layer, PEFT module): {"A": tensor name, "B": ...}} in `source`)."""
     layers = [{} for _ in range(cfg.n_layer)]
     for (i, module), ab in sorted(pairs.items()):
         term = _term(cfg, model.xp, module, source, ab, rank, scale, i)
         layers[i].setdefault(TARGETS[module][0], []).append(term)
+    return LoraAdapter(name, rank, scale, tuple(sorted({m for _, m in pairs})), base, layers, f"{name}#{next(_keys)}")
+
+
+# llama.cpp's GGUF LoRA (convert_lora_to_gguf.py): blk.N.<tensor>.weight.lora_a [r, in] / .lora_b [out, r]
+GGUF_TARGETS = {"attn_q": "q_proj", "attn_k": "k_proj", "attn_v": "v_proj", "attn_output": "o_proj",
+                "ffn_gate": "gate_proj", "ffn_up": "up_proj", "ffn_down": "down_proj"}
+_GGUF_TENSOR = re.compile(r"^blk\.(\d+)\.(\w+)\.weight\.lora_([ab])$")
+
+
+def is_gguf_adapter(path):
+    """Whether `path` is a GGUF file that says it is a LoRA adapter (general.type "adapter")."""
+    try:
+        return read_metadata(path).get("general.type") == "adapter"
+    except (OSError, ValueError):
+        return False
+
+
+def gguf_adapter(path, name, cfg, model, max_rank):
+    """The LoraAdapter in llama.cpp's GGUF LoRA file `path` (general.type "adapter", adapter.type
+    "lora", adapter.lora.alpha; its A and B as llama.cpp's converter writes them).
+
+    NOTE(lora-gguf): the converter permutes B's q/k rows as it does the base's (llama only:
+    weights.py gguf_rows_permuted), and our loader puts the base's back in Hugging Face's order, so
+    B's go back too. The scale is llama.cpp's: alpha / rank, or 1 where alpha is 0 or absent. One
+    rank for every matrix (PEFT's rank_pattern, which llama.cpp reads, is refused)."""
+    try:
+        source = GGUFFile(path)
+    except (OSError, ValueError) as e:
+        raise AdapterError(f"the adapter file is not a GGUF file ({e})") from None
+    meta = source.metadata
+    if meta.get("general.type") != "adapter" or meta.get("adapter.type") != "lora":
+        raise AdapterError("the GGUF file is not a LoRA adapter (general.type 'adapter', adapter.type 'lora')")
+    if meta.get("general.architecture") != cfg.arch:
+        raise AdapterError(f"the adapter is for {short_repr(meta.get('general.architecture'))} models; "
+                           f"this model is {cfg.arch}")
+    if cfg.arch not in ARCHES:
+        raise AdapterError(f"LoRA adapters run on llama and qwen2 models, not {cfg.arch}")
+    pairs = {}
+    for tensor in source.names:
+        m = _GGUF_TENSOR.match(tensor)
+        if m is None or m.group(2) not in GGUF_TARGETS:
+            raise AdapterError(f"tensor {short_repr(tensor)} is not a LoRA matrix of a supported target "
+                               f"({', '.join(GGUF_TARGETS)})")
+        if int(m.group(1)) >= cfg.n_layer:
+            raise AdapterError(f"tensor {tensor!r} is for layer {m.group(1)}; the model has {cfg.n_layer} layers")
+        pairs.setdefault((int(m.group(1)), GGUF_TARGETS[m.group(2)]), {})[m.group(3).upper()] = tensor
+    for (layer, module), ab in sorted(pairs.items()):
+        if len(ab) != 2:
+            raise AdapterError(f"layer {layer} {module} has lora_{'a' if 'A' not in ab else 'b'} missing")
     if not pairs:
-        raise AdapterError(f"{WEIGHTS_FILE} holds no LoRA matrices")
-    return LoraAdapter(name, rank, scale, tuple(sorted({m for _, m in pairs})), str(config.get("base_model_name_or_path") or ""),
-                       layers, f"{name}#{next(_keys)}")
+        raise AdapterError("the GGUF file holds no LoRA matrices")
+    ranks = sorted({source.shape(ab["A"])[0] if len(source.shape(ab["A"])) == 2 else 0 for ab in pairs.values()})
+    if len(ranks) != 1:
+        raise AdapterError(f"the adapter's matrices have ranks {ranks}; one rank for every matrix is supported")
+    rank, alpha = ranks[0], meta.get("adapter.lora.alpha", 0)
+    if not 0 < rank <= max_rank:
+        raise AdapterError(f"the adapter's rank {rank} is over this server's limit of {max_rank} "
+                           "(TURBOSPARK_MAX_LORA_RANK)" if rank > max_rank else "the adapter's matrices are not 2-D")
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
+        raise AdapterError(f"adapter.lora.alpha must be a number, not {short_repr(alpha)}")
+    scale = alpha / rank if alpha else 1.0
+    source = _GGUFRows(source, cfg) if gguf_rows_permuted(cfg) else source
+    return _adapter(name, rank, scale, str(meta.get("general.base_model.0.name") or ""), source, pairs, cfg, model)
+
+
+class _GGUFRows:
+    """A GGUF LoRA's tensors with q's and k's B rows in Hugging Face's order (NOTE(lora-gguf))."""
+
+    def __init__(self, source, cfg):
+        self._source, self._heads = source, {"attn_q": cfg.n_head, "attn_k": cfg.n_kv_head}
+
+    def shape(self, name):
+        return self._source.shape(name)
+
+    def tensor(self, name):
+        w = self._source.tensor(name)
+        m = _GGUF_TENSOR.match(name)
+        heads = self._heads.get(m.group(2)) if m and m.group(3) == "b" else None
+        return w if heads is None else unpermute_rotary_rows(w, heads)
 
 
 def _check_config(config, max_rank):
@@ -193,13 +280,6 @@ def _matrix(source, name):
     return w
 
 
-def check_model(model):
-    """ValueError where Transformer `model` cannot run LoRA terms (NOTE(lora-path))."""
-    if model.fused:
-        raise AdapterError("LoRA adapters need a model that runs step by step (a Hugging Face directory); "
-                           "this one runs fused int8 layers")
-
-
 class RowLora:
     """The LoRA terms of one call's rows: `adapters[r]` the LoraAdapter row r runs, or None."""
 
@@ -219,14 +299,16 @@ class RowLora:
         base), or None where no row runs one. ValueError where the model cannot add LoRA terms.
 
         NOTE(lora-path): the fused layer kernels (kernels/layer.py, the C `ts_layer`) have no hook
-        for a low-rank term, and their float steps round otherwise than the step-by-step path, so an
-        adapter row cannot join a fused call and stay what it is alone. Hugging Face bases never run
-        fused here (float32 weights, BLAS products): every row of theirs, with an adapter or
-        without, runs the step-by-step DecoderLayers in the one call, the terms added row by row
-        (NOTE(lora-rows)). Fused (GGUF) bases are refused rather than split into two sub-steps."""
+        for a low-rank term, so rows that run an adapter always run the step-by-step DecoderLayers,
+        the terms added row by row (NOTE(lora-rows)). Hugging Face bases never run fused here
+        (float32 weights, BLAS products): all their rows run so in one call. On a fused (GGUF) base
+        a step's base rows run fused and its adapter rows step by step, two calls over the weights
+        (Transformer._fused_decode); a sequence runs one way from its first token to its last (its
+        prompt too: Transformer.forward), so each row is what it is alone and its K/V, in the
+        base's cache format, are its own. PERF(lora-path): a step that mixes both reads the weights
+        twice; the step-by-step products are the same int8 kernels, row by row."""
         if all(a is None for a in adapters):
             return None
-        check_model(model)
         return cls(adapters, model.xp)
 
     def add(self, layer, product, x, y):

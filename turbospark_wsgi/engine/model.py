@@ -112,7 +112,7 @@ class Transformer:
             raise ValueError(f"cannot run {T} tokens at position {pos} with a cache of {cache.max_seq}")
         x, lora = self._embed(ids), RowLora.of(self, [adapter] * T)    # [T, dim]; NOTE(lora-path): lora.py
         variant = self.variant
-        if variant.fused:
+        if variant.fused and lora is None:
             self._fused_layers(variant, x, np.zeros(T, np.int64), np.arange(pos, pos + T, dtype=np.int64), [cache], [pos + T])
         else:
             self._prompt_layers(x, pos, cache, rows_matmul if row_exact else plain_matmul, lora)
@@ -147,27 +147,30 @@ class Transformer:
         alone computes."""
         c, w, xp = self.cfg, self.w, self.xp
         ids = np.asarray(tokens, dtype=np.int64).reshape(-1)
-        own, ends, seq, pos = [], [], [], []        # the distinct caches, their new lengths; each row's
-        for cache in caches:
-            s = next((i for i, o in enumerate(own) if o is cache), len(own))
-            if s == len(own):
-                own.append(cache)
-                ends.append(cache.length)
-            seq.append(s)
-            pos.append(ends[s])
-            ends[s] += 1
-        lora = RowLora.of(self, adapters or ())
+        own, ends, seq, pos = _placed(caches)
+        adapters = list(adapters or ()) or [None] * len(ids)
         for cache, end in zip(own, ends):
             cache.reserve(end)          # before any row's K/V is written: growing keeps only `length`
         variant = self.variant
-        if variant.fused:
-            at = np.asarray(pos, np.int64)
-            x = self._fused_layers(variant, self._embed(ids), np.asarray(seq, np.int64), at, own, ends)[:, None]
-        else:
-            x = self._decode_layers(ids, pos, caches, lora)             # [B, 1, dim]
+        x = self._fused_decode(variant, ids, caches, adapters) if variant.fused else \
+            self._decode_layers(ids, pos, caches, RowLora.of(self, adapters))         # [B, 1, dim]
         for cache, end in zip(own, ends):
             cache.length = end
         return soft_cap(to_host(rms_norm(x, w.norm, c.norm_eps, xp) @ w.head)[:, 0], c.final_softcap)   # [B, vocab]
+
+    def _fused_decode(self, variant, ids, caches, adapters):
+        """`decode_batch`'s layers on the fused `variant` -> x `[B, 1, dim]`; rows that run an
+        adapter go step by step beside them (NOTE(lora-path): lora.py), each row what it is alone."""
+        base, runs = ([b for b, a in enumerate(adapters) if (a is None) == want] for want in (True, False))
+        x = np.empty((len(ids), 1, self.cfg.dim), np.float32)
+        if base:
+            own, ends, seq, pos = _placed([caches[b] for b in base])
+            x[base, 0] = self._fused_layers(variant, self._embed(ids[base]), np.asarray(seq, np.int64),
+                                            np.asarray(pos, np.int64), own, ends)
+        if runs:
+            rows = [caches[b] for b in runs]
+            x[runs] = self._decode_layers(ids[runs], _placed(rows)[3], rows, RowLora([adapters[b] for b in runs], self.xp))
+        return x
 
     def _decode_layers(self, ids, pos, caches, lora=None):
         """`decode_batch`'s layers step by step: token b at position pos[b] of caches[b] -> x `[B, 1, dim]`.
@@ -219,6 +222,21 @@ def soft_cap(logits, cap):
     if not cap:
         return logits
     return (np.tanh(logits / np.float32(cap)) * np.float32(cap)).astype(np.float32)
+
+
+def _placed(caches):
+    """A decode step's rows by their caches (a cache listed n times: n rows at consecutive
+    positions): (the distinct caches, the length each will have, each row's index among them, its position)."""
+    own, ends, seq, pos = [], [], [], []
+    for cache in caches:
+        s = next((i for i, o in enumerate(own) if o is cache), len(own))
+        if s == len(own):
+            own.append(cache)
+            ends.append(cache.length)
+        seq.append(s)
+        pos.append(ends[s])
+        ends[s] += 1
+    return own, ends, seq, pos
 
 
 class DecoderLayers:

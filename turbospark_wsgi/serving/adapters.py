@@ -1,6 +1,12 @@
-"""LoRA adapters (PEFT directories) served on their base models: those the models directory holds
-and those registered at run time (POST /v1/load_lora_adapter), found by name, loaded onto their
-base's engine once per base load, and listed with the base as their `parent`.
+"""LoRA adapters (PEFT directories, and llama.cpp's GGUF LoRA files) served on their base models:
+those the models directory holds and those registered at run time (POST /v1/load_lora_adapter),
+found by name, loaded onto their base's engine once per base load, and listed with the base as
+their `parent`.
+
+NOTE(lora-gguf-parent): a GGUF LoRA file names its base, if at all, as model-card metadata
+(general.base_model.N.name, as llama.cpp's converter copies it), which rarely matches an installed
+id; where none does, its parent is the default model (llama.cpp's `--lora` applies to the one model
+it serves), and loading it onto that base checks that the architecture and shapes fit.
 
 NOTE(lora-names): a request selects an adapter by its `model` name, as in vLLM: the base model's
 engine runs it with the adapter, batched with the base's other runs (engine/lora.py).
@@ -31,6 +37,28 @@ def is_adapter_dir(path):
     return os.path.isfile(os.path.join(path, CONFIG_FILE)) and not os.path.isfile(os.path.join(path, "config.json"))
 
 
+_gguf_kinds = {}        # (real path, size, mtime) -> whether that GGUF file is a LoRA adapter
+
+
+def is_adapter_file(path):
+    """A GGUF file that says it is a LoRA adapter (its header read once per version of the file)."""
+    if not path.endswith(".gguf"):
+        return False
+    try:
+        st = os.stat(path)
+    except OSError:
+        return False
+    key = (os.path.realpath(path), st.st_size, st.st_mtime_ns)
+    if key not in _gguf_kinds:
+        from ..engine.lora import is_gguf_adapter
+        _gguf_kinds[key] = os.path.isfile(path) and is_gguf_adapter(path)
+    return _gguf_kinds[key]
+
+
+def is_adapter(path):
+    return is_adapter_dir(path) or is_adapter_file(path)
+
+
 class Adapters:
     """The adapters `catalog` (a registry.Catalog) can reach, and each one's loaded form per base
     engine. `max_rank`: the largest rank accepted (TURBOSPARK_MAX_LORA_RANK)."""
@@ -53,6 +81,9 @@ class Adapters:
             path = os.path.join(root, entry)
             if is_adapter_dir(path):
                 found[entry] = AdapterEntry(entry, os.path.realpath(path), self._parent(path))
+            elif is_adapter_file(path):
+                found[entry[:-5]] = AdapterEntry(entry[:-5], os.path.realpath(path),
+                                                 self._parent(path) or self._catalog.default_name)
         return {**found, **self._runtime}
 
     def find(self, name):
@@ -90,9 +121,12 @@ class Adapters:
         if not real.startswith(root + os.sep):
             # NOTE(paths): a request never reads a file outside the models directory
             raise InvalidRequest("'lora_path' must name a directory inside the models directory", param="lora_path")
-        if not os.path.isdir(real):
+        if os.path.isfile(real):
+            if not is_adapter_file(real):
+                raise InvalidRequest("'lora_path' names a file that is not a GGUF LoRA adapter", param="lora_path")
+        elif not os.path.isdir(real):
             raise InvalidRequest("'lora_path' names no directory in the models directory", param="lora_path")
-        if not os.path.isfile(os.path.join(real, CONFIG_FILE)):
+        elif not os.path.isfile(os.path.join(real, CONFIG_FILE)):
             raise InvalidRequest(f"'lora_path' names a directory without {CONFIG_FILE}", param="lora_path")
         if name in self.entries() or self._catalog.find(name) is not None:
             raise InvalidRequest(f"The name '{name}' is taken: a model or LoRA adapter is already known by it",
@@ -116,25 +150,33 @@ class Adapters:
         raise NotFound(f"The LoRA adapter '{name}' cannot be found", param="lora_name", code="lora_adapter_not_found")
 
     def _parent(self, path):
-        """The installed model an adapter directory names: its config's `parent` (ours), else its
-        `base_model_name_or_path` as an installed id or alias, else that name's last part."""
+        """The installed model an adapter names: a directory's config `parent` (ours), else its
+        `base_model_name_or_path`, a GGUF file's general.base_model.N.name (NOTE(lora-gguf-parent)),
+        as an installed id or alias, else that name's last part."""
         try:
-            config = read_object(os.path.join(path, CONFIG_FILE), CONFIG_FILE) or {}
+            names = _gguf_base_names(path) if os.path.isfile(path) else \
+                [(read_object(os.path.join(path, CONFIG_FILE), CONFIG_FILE) or {}).get(k)
+                 for k in ("parent", "base_model_name_or_path")]
         except (OSError, ValueError):
             return None
-        for key in ("parent", "base_model_name_or_path"):
-            value = config.get(key)
+        for value in names:
             if not isinstance(value, str) or not value:
                 continue
             for name in (value, value.rstrip("/").rsplit("/", 1)[-1]):
-                if self._catalog.find(name) is not None and not is_adapter_dir(self._catalog.find(name)):
+                if self._catalog.find(name) is not None and not is_adapter(self._catalog.find(name)):
                     return name
         return None
 
 
+def _gguf_base_names(path):
+    from ..engine.gguf import read_metadata
+    meta = read_metadata(path)
+    return [meta.get(f"general.base_model.{i}.name") for i in range(int(meta.get("general.base_model.count", 0) or 0))]
+
+
 def _weights_mtime(path):
     try:
-        return os.stat(os.path.join(path, "adapter_model.safetensors")).st_mtime
+        return os.stat(path if os.path.isfile(path) else os.path.join(path, "adapter_model.safetensors")).st_mtime
     except OSError:
         return 0.0
 

@@ -16,7 +16,7 @@ from ..engine.model_json import is_classifier_dir
 from ..errors import InvalidRequest, ModelLoadError, ModelNotFound, Overloaded
 from ..pull import SOURCES
 from . import compute
-from .adapters import Adapters
+from .adapters import Adapters, is_adapter_file
 
 log = logging.getLogger("turbospark.registry")
 
@@ -118,7 +118,7 @@ class Catalog:
         found = {}
         for entry in names:
             path = os.path.join(root, entry)
-            if entry.endswith(".gguf") and os.path.isfile(path):
+            if entry.endswith(".gguf") and os.path.isfile(path) and not is_adapter_file(path):
                 found[entry[:-5]] = path
             elif os.path.isfile(os.path.join(path, "config.json")):
                 found[entry] = path

@@ -360,14 +360,15 @@ def attend(q, keys, vals, pos, window=0, lib=None):
     `lib` (native.Library) where given, as its `attend_rows`."""
     T, H, D = q.shape
     G = keys.shape[1]
-    keys = np.ascontiguousarray(keys, dtype=np.float32)
-    vals = np.ascontiguousarray(vals, dtype=np.float32)
+    # half-float caches (NOTE(kv-half)) are read as they are, as the fused layers read them
+    dtype = np.float16 if keys.dtype == vals.dtype == np.float16 else np.float32
+    keys, vals = np.ascontiguousarray(keys, dtype=dtype), np.ascontiguousarray(vals, dtype=dtype)
     kv = np.array([[keys.ctypes.data, vals.ctypes.data, keys.shape[0]]], np.int64)
     out = np.empty((T, H * D), np.float32)
     rows = np.ascontiguousarray(q, dtype=np.float32).reshape(T, H * D)
     seq, at = np.zeros(T, np.int64), np.arange(pos, pos + T, dtype=np.int64)
     if lib is not None:
-        lib.attend_rows(rows, seq, at, kv, False, 0, int(window), H, G, D, out, threads.count())
+        lib.attend_rows(rows, seq, at, kv, dtype == np.float16, 0, int(window), H, G, D, out, threads.count())
     else:
-        attend_rows(rows, seq, at, kv, element(np.float32), 0, int(window), H, G, D, out)
+        attend_rows(rows, seq, at, kv, element(dtype), 0, int(window), H, G, D, out)
     return out
