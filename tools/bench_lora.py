@@ -2,7 +2,7 @@
 the base model, on one engine (the same scheduler, batched together).
 
     python tools/bench_lora.py [--streams 8] [--adapters 4] [--rank 16] [--tokens 64] [--rounds 3]
-        [--dim 512] [--layers 8] [--dir DIR]
+        [--dim 512] [--layers 8] [--dir DIR] [--model GGUF]
 
 The model is a small random Hugging Face llama written to `--dir` (default: a temporary directory):
 `--dim` hidden, 4 * dim // 3 rounded to 64 MLP, `--layers` layers, 8 heads (4 KV heads), the 264-id
@@ -10,6 +10,10 @@ byte vocabulary of the test models; each adapter targets all seven projections a
 runs the base case, then the adapter case (the order alternating between rounds): every stream
 prefilled first, then timed from the first decode step to the last token. Printed: each case's
 median aggregate decode tok/s over the rounds and the adapters' share of the base's.
+
+--model GGUF runs a GGUF base instead (tools/make_bench_model.py writes one), whose base rows run
+the fused int8 layers and whose adapter rows run step by step beside them (engine/lora.py
+NOTE(lora-path)); a third case mixes both, half the streams on the base and half over the adapters.
 """
 import argparse
 import json
@@ -39,7 +43,15 @@ def parse_args(argv=None):
     p.add_argument("--dim", type=int, default=512)
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--dir", default="")
+    p.add_argument("--model", default="", help="a GGUF llama base instead of the random HF one")
     return p.parse_args(argv)
+
+
+def config_of(engine):
+    """The Hugging Face config keys write_adapter reads, of a loaded engine's model."""
+    c = engine.config
+    return {"hidden_size": c.dim, "intermediate_size": c.ffn_dim, "num_hidden_layers": c.n_layer,
+            "num_attention_heads": c.n_head, "num_key_value_heads": c.n_kv_head, "vocab_size": c.vocab_size}
 
 
 def write_model(directory, dim, layers, seed=0):
@@ -122,8 +134,12 @@ def decode_tok_s(engine, prompts, adapters, tokens):
 def main(argv=None):
     args = parse_args(argv)
     root = args.dir or tempfile.mkdtemp(prefix="bench-lora-")
-    cfg = write_model(os.path.join(root, "bench-llama"), args.dim, args.layers)
-    engine = load_engine(os.path.join(root, "bench-llama"), device="cpu", max_batch=args.streams, speculative="off")
+    if args.model:
+        engine = load_engine(args.model, device="cpu", max_batch=args.streams, speculative="off")
+        cfg = config_of(engine)
+    else:
+        cfg = write_model(os.path.join(root, "bench-llama"), args.dim, args.layers)
+        engine = load_engine(os.path.join(root, "bench-llama"), device="cpu", max_batch=args.streams, speculative="off")
     adapters = []
     for j in range(args.adapters):
         write_adapter(os.path.join(root, f"lora-{j}"), cfg, args.rank, seed=10 + j)
@@ -131,9 +147,12 @@ def main(argv=None):
     rng = np.random.default_rng(1)
     prompts = [rng.integers(3, cfg["vocab_size"], 32).tolist() for _ in range(args.streams)]
     cases = {"base": [None] * args.streams, "adapters": [adapters[i % len(adapters)] for i in range(args.streams)]}
+    if args.model:
+        cases["mixed"] = [None if i % 2 == 0 else adapters[i // 2 % len(adapters)] for i in range(args.streams)]
     results = {name: [] for name in cases}
-    print(f"model: random HF llama dim {args.dim}, {args.layers} layers, ffn {cfg['intermediate_size']}; "
-          f"kernels: {engine.kernels}", flush=True)
+    shape = f"dim {cfg['hidden_size']}, {cfg['num_hidden_layers']} layers, ffn {cfg['intermediate_size']}"
+    print(f"model: {os.path.basename(args.model) if args.model else 'random HF llama'} {shape}; "
+          f"kernels: {engine.kernels}; layers: {engine.model.variant.name}", flush=True)
     for r in range(args.rounds):
         order = list(cases) if r % 2 == 0 else list(cases)[::-1]
         for name in order:
@@ -144,6 +163,10 @@ def main(argv=None):
     print(f"{args.streams} streams of the base model: {base:.1f} tok/s (median of {args.rounds})")
     print(f"{args.streams} streams over {args.adapters} adapters (rank {args.rank}, all 7 projections): "
           f"{lora:.1f} tok/s ({lora / base:.2f}x the base)")
+    if "mixed" in results:
+        mixed = statistics.median(results["mixed"])
+        print(f"{args.streams} streams, half on the base, half over the adapters: {mixed:.1f} tok/s "
+              f"({mixed / base:.2f}x the base)")
 
 
 if __name__ == "__main__":
