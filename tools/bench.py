@@ -1,12 +1,13 @@
 """Engine throughput: prefill tok/s on a 512-token prompt and single-stream decode tok/s.
 
     python tools/bench.py [--model PATH] [--repeats 3] [--device auto|cpu|cuda] [--threads N] [--temperature T]
+        [--prompt-tokens 512] [--decode-steps 128] [--decode-depth 16]
     python tools/bench.py --speculative [--model PATH] [--repeats 3] [--max-tokens 400] [--llama-server PATH]
     python tools/bench.py --vs-llama-cpp [--model GGUF] [--repeats 3] [--clients 1,8,16,32]
         [--llama-server PATH] [--llama-python PY] [--fresh-numba-cache] [--temperature T]
         [--ignore-eos] [--speculative off|auto|on] [--read-mib 1024] [--json]
 
-Decode is greedy unless --temperature is given; then each token is drawn by the server's sampler
+Decode runs after an untimed --decode-depth-token prompt (16; 4000 is llama-bench's `-d 4000`), and is greedy unless --temperature is given; then each token is drawn by the server's sampler
 at that temperature (its other fields off, the OpenAI defaults).
 
 --speculative times one stream's decode (first token to last, through the engine's scheduler) on
@@ -57,6 +58,8 @@ def parse_args(argv=None):
     p.add_argument("--decode-steps", type=int, default=128)
     p.add_argument("--threads", type=int, default=0, help="BLAS threads (0: library default)")
     p.add_argument("--temperature", type=float, default=0.0, help="of the decode (0: greedy)")
+    p.add_argument("--decode-depth", type=int, default=16,
+                   help="tokens of context before the timed decode (llama-bench's -d: 4000 beside -d 4000)")
     p.add_argument("--speculative", action="store_true",
                    help="speculative decoding off / auto / on on an editing and a story workload")
     p.add_argument("--max-tokens", type=int, default=400, help="of each --speculative run")
@@ -83,11 +86,11 @@ def bench_prefill(model, n_tokens, rng):
     return n_tokens / (time.perf_counter() - t0)
 
 
-def bench_decode(model, steps, rng, temperature=0.0):
-    """tok/s of `steps` decode steps after an untimed 16-token prefill, through `decode_batch` with
-    one sequence and the server's sampler: the path the server's scheduler runs for a lone stream."""
-    cache = model.new_cache(16 + steps)
-    logits = model.forward(rng.integers(0, model.cfg.vocab_size, 16), cache)
+def bench_decode(model, steps, rng, temperature=0.0, depth=16):
+    """tok/s of `steps` decode steps after an untimed `depth`-token prefill, through `decode_batch`
+    with one sequence and the server's sampler: the path the server's scheduler runs for a lone stream."""
+    cache = model.new_cache(depth + steps)
+    logits = model.forward(rng.integers(0, model.cfg.vocab_size, depth), cache)
     sampler = Sampler(SamplingParams(temperature=temperature, seed=0))
     t0 = time.perf_counter()
     for _ in range(steps):
@@ -110,10 +113,11 @@ def run_engine_bench(args):
     prefill, decode = [], []
     for _ in range(args.repeats):
         prefill.append(bench_prefill(loaded.model, args.prompt_tokens, rng))
-        decode.append(bench_decode(loaded.model, args.decode_steps, rng, args.temperature))
+        decode.append(bench_decode(loaded.model, args.decode_steps, rng, args.temperature, args.decode_depth))
     print(f"prefill {args.prompt_tokens} tokens: {summary(prefill)}")
     print(f"decode {args.decode_steps} steps:     {summary(decode)}"
-          + (f" at temperature {args.temperature:g}" if args.temperature else ""))
+          + (f" at temperature {args.temperature:g}" if args.temperature else "")
+          + (f" after {args.decode_depth} tokens of context" if args.decode_depth != 16 else ""))
     print(f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB; "
           f"load average {os.getloadavg()[0]:.2f}")
     return {"prefill": prefill, "decode": decode}

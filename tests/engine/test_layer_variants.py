@@ -8,7 +8,7 @@ import pytest
 
 from turbospark_wsgi.engine import layer_variants
 from turbospark_wsgi.engine.gguf import GGUFFile
-from turbospark_wsgi.engine.kernels import cpu as kernels_cpu, layer as kernels_layer, native
+from turbospark_wsgi.engine.kernels import cpu as kernels_cpu, native
 from turbospark_wsgi.engine.loader import load_model
 
 pytest.importorskip("gguf")
@@ -46,9 +46,6 @@ def check(name, path, monkeypatch):
     if name in ("native", "numba"):                     # int8: against the spec on the same int8 products
         monkeypatch.setattr(kernels_cpu, "ACTIVATIONS", "int8")
         model = load_model(path, device="cpu", kernels=name, activations="int8").model
-        if name == "numba" and not all(map(kernels_layer.one_part, model._layer_args)):
-            assert model.variant.name == "spec"         # numba's layer takes one part a product
-            return
         assert model.variant is variant and variant.within == "int8"
         assert_fused_follows_step_by_step(model, monkeypatch)
     elif name == "device":                              # float: against the spec on the same weights in f32
@@ -70,13 +67,14 @@ def test_each_variant_equals_the_specification(name, kind, tiny_gguf, tmp_path, 
     check(name, MODELS[kind](tiny_gguf, tmp_path), monkeypatch)
 
 
-def test_a_layer_that_mixes_block_kinds_runs_fused_in_c(tiny_gguf):
+@pytest.mark.parametrize("name", ["native", "numba"])
+def test_a_layer_that_mixes_block_kinds_runs_fused(tiny_gguf, name):
     """NOTE(layer-parts): q|k in Q4_K and v in Q6_K (a Q4_K_M layer) are two parts of one product;
-    the C layer runs them, each in its own blocks."""
-    _needs("native")
-    model = load_model(k_quant_llama(tiny_gguf), device="cpu", kernels="native", activations="int8").model
+    the C and the numba layers run them, each in its own blocks (check() above: equal to the spec)."""
+    _needs(name)
+    model = load_model(k_quant_llama(tiny_gguf), device="cpu", kernels=name, activations="int8").model
     assert [len(ps) for ps in model._layer_args[0][-1]] == [2, 1, 1, 1]
-    assert model.variant.name == "native" and model.new_cache(1).k.dtype == np.float16
+    assert model.variant.name == name and model.new_cache(1).k.dtype == np.float16
 
 
 def test_the_choice_follows_the_call(tiny_gguf, monkeypatch):

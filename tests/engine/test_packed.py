@@ -11,10 +11,11 @@ import pytest
 
 from turbospark_wsgi.config import Config, weight_cache_dir
 from turbospark_wsgi.engine import packed, quant
-from turbospark_wsgi.engine.kernels import cpu as kernels_cpu, int8
+from turbospark_wsgi.engine.kernels import cpu as kernels_cpu, int8, native
 from turbospark_wsgi.engine.loader import load_model
 
 pytestmark = pytest.mark.skipif(not kernels_cpu.AVAILABLE, reason="the block kernels need numba")
+from test_native_kernels import k_quant_llama  # noqa: E402
 
 PROMPT = [1, 5, 9, 3, 7, 11, 4, 8, 2, 6]
 
@@ -45,6 +46,20 @@ def test_a_packed_file_is_written_once_then_mapped_with_the_same_numbers(tiny_gg
     assert np.array_equal(_logits(written), want)
     assert np.array_equal(_logits(mapped), want)
     assert len(_bins(cache)) == 1 and not [n for n in os.listdir(cache) if n.endswith(".tmp")]
+
+
+@pytest.mark.parametrize("kernels", ["native", "numba"])
+def test_each_fused_layer_runs_on_mapped_read_only_weights_as_on_built_ones(tiny_gguf, tmp_path, kernels):
+    """The mapped blocks are read-only where a freshly built layout is writable; numba's layer takes
+    its parts as one tuple type whichever it gets (kernels/layer.py numba_args)."""
+    if kernels == "native" and native.compiler() is None:
+        pytest.skip("no C compiler")
+    path, cache = k_quant_llama(tiny_gguf), tmp_path / "weights"
+    private, written = _load(path, None, kernels=kernels), _load(path, cache, kernels=kernels)
+    mapped = _load(path, cache, kernels=kernels)
+    assert mapped.weights == "weights mapped from the shared weight cache" and mapped.model.variant.name == kernels
+    want = _logits(private)
+    assert np.array_equal(_logits(written), want) and np.array_equal(_logits(mapped), want)
 
 
 def test_mapped_weights_hold_only_the_int8_layout_read_only(tiny_gguf, tmp_path):

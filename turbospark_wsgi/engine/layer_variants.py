@@ -92,10 +92,8 @@ def warm_numba(model):
 VARIANTS = (
     Variant("native", lambda m: fusable(m) and m.native is not None, "spec", "int8",
             "kernels/native.c ts_layer", native_layers),
-    # numba's layer takes one part a product: a layer that mixes block kinds in one (a Q4_K_M
-    # layer's q|k in Q4_K, v in Q6_K) runs the C layer, or the specification without it
-    Variant("numba", lambda m: fusable(m) and m.native is None and all(map(kernels_layer.one_part, m._layer_args)),
-            "spec", "int8", "kernels/layer.py layer", numba_layers),
+    Variant("numba", lambda m: fusable(m) and m.native is None, "spec", "int8", "kernels/layer.py layer",
+            numba_layers),
     Variant("device", lambda m: m.kernels is not None, "spec", "float",
             "the specification's steps with gpu/launch.py kernels for norms, gates, rotary, decode "
             "K/V stores and attention (gpu/model.py DeviceTransformer)"),

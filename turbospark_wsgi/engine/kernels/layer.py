@@ -117,17 +117,35 @@ if AVAILABLE:
                 xr[j] += yr[j]
 
     @njit(**_JIT)
+    def _product(x, qvs, ds, ms, parts, widths, p, y, isa_id):   # pragma: no cover - compiled
+        # y [R, n] = x times product p of the layer: its parts parts[p]..parts[p+1]-1 of qvs/ds/ms,
+        # each int8.product's weight, their columns side by side (part k's first widths[k] of its T*R)
+        literally(isa_id)
+        off = 0
+        for k in range(parts[p], parts[p + 1]):
+            padded = ds[k].shape[0] * ds[k].shape[2]
+            if parts[p + 1] - parts[p] == 1 and padded == y.shape[1]:
+                int8.product(x, qvs[k], ds[k], ms[k], y, isa_id)
+                return
+            part = np.empty((x.shape[0], padded), np.float32)
+            int8.product(x, qvs[k], ds[k], ms[k], part, isa_id)
+            y[:, off:off + widths[k]] = part[:, :widths[k]]
+            off += widths[k]
+
+    @njit(**_JIT)
     def layer(x, seq, pos, kv, elem, li, window, cos, sin, eps, gelu, H, G, D,
-              norms, bqkv, qk_norm, qvs, ds, ms, isa_id):   # pragma: no cover - compiled
+              norms, bqkv, qk_norm, qvs, ds, ms, parts, widths, isa_id):   # pragma: no cover - compiled
         # x [R, dim] in place. norms [2 or 4, dim]: the attention and MLP norms, then the post norms
-        # where the model has them; bqkv [(H+2G)*D] or [0]; qvs/ds/ms: wqkv, wo, w_gate_up, w_down as
-        # int8.product takes them; isa_id: the integer dots' instruction path (isa.IDS)
+        # where the model has them; bqkv [(H+2G)*D] or [0]; qvs/ds/ms: the parts of wqkv, wo,
+        # w_gate_up and w_down as int8.product takes them (PARTS of each, padded with empty ones),
+        # product p being parts parts[p]..parts[p+1]-1, part k widths[k] columns (NOTE(layer-parts)
+        # in native.c); isa_id: the integer dots' instruction path (isa.IDS)
         literally(isa_id)
         R, dim = x.shape
         h = np.empty_like(x)
         _norm_rows(x, norms[0], eps, h)
         qkv = np.empty((R, (H + 2 * G) * D), np.float32)
-        int8.product(h, qvs[0], ds[0], ms[0], qkv, isa_id)
+        _product(h, qvs, ds, ms, parts, widths, 0, qkv, isa_id)
         for r in range(R if bqkv.shape[0] else 0):
             qr = qkv[r]
             for j in range(qr.shape[0]):
@@ -135,14 +153,14 @@ if AVAILABLE:
         _heads_to_cache(qkv, seq, pos, kv, elem, li, cos, sin, qk_norm, eps, H, G, D)
         att = np.empty((R, H * D), np.float32)
         attention.attend_rows(qkv, seq, pos, kv, elem, li, window, H, G, D, att)
-        int8.product(att, qvs[1], ds[1], ms[1], h, isa_id)
+        _product(att, qvs, ds, ms, parts, widths, 1, h, isa_id)
         _residual(x, h, norms, 2, eps)
         _norm_rows(x, norms[1], eps, h)
-        gu = np.empty((R, ds[2].shape[0] * ds[2].shape[2]), np.float32)
-        int8.product(h, qvs[2], ds[2], ms[2], gu, isa_id)
+        gu = np.empty((R, widths[parts[2]:parts[3]].sum()), np.float32)
+        _product(h, qvs, ds, ms, parts, widths, 2, gu, isa_id)
         a = np.empty((R, gu.shape[1] // 2), np.float32)
         _gate_rows(gu, gelu, a)
-        int8.product(a, qvs[3], ds[3], ms[3], h, isa_id)
+        _product(a, qvs, ds, ms, parts, widths, 3, h, isa_id)
         _residual(x, h, norms, 3, eps)
 
 if AVAILABLE:
@@ -150,8 +168,9 @@ if AVAILABLE:
         """`layer` with its integer dots' instruction path fixed (see int8._product_on)."""
         @njit(**_JIT)
         def layer_on(x, seq, pos, kv, elem, li, window, cos, sin, eps, gelu, H, G, D,
-                     norms, bqkv, qk_norm, qvs, ds, ms):   # pragma: no cover - compiled
-            layer(x, seq, pos, kv, elem, li, window, cos, sin, eps, gelu, H, G, D, norms, bqkv, qk_norm, qvs, ds, ms, isa_id)
+                     norms, bqkv, qk_norm, qvs, ds, ms, parts, widths):   # pragma: no cover - compiled
+            layer(x, seq, pos, kv, elem, li, window, cos, sin, eps, gelu, H, G, D, norms, bqkv, qk_norm, qvs, ds, ms,
+                  parts, widths, isa_id)
         return layer_on
 
     # the layer kernel per instruction path (isa.PATHS): LAYER[path](x, seq, pos, kv, elem, li, window, cos,
@@ -162,7 +181,7 @@ if AVAILABLE:
 def layer_args(cfg, lw):
     """The per-layer arguments for LayerWeights `lw`: `layer`'s after `sin` up to the weights, then
     the four products' QWeights (wqkv, wo, w_gate_up, w_down), each a tuple of its parts
-    (NOTE(layer-parts) in native.c; `numba_args` turns one-part products into `layer`'s), or None
+    (NOTE(layer-parts) in native.c; `numba_args` turns them into `layer`'s), or None
     where a product is not on the int8 kernels."""
     parts = [getattr(getattr(lw, n), "int8_parts", None) for n in ("wqkv", "wo", "w_gate_up", "w_down")]
     if not AVAILABLE or None in parts:
@@ -178,20 +197,33 @@ def layer_args(cfg, lw):
             tuple(parts))
 
 
-def one_part(args):
-    """Whether every product of layer_args's tuple is one part: what numba's `layer` takes."""
-    return all(len(ps) == 1 for ps in args[-1])
+PARTS = 8           # parts a layer's four products have between them at most (native.py LAYER_PARTS too)
+_EMPTY = (np.zeros((0,) * 6, np.uint8), np.zeros((0, 0, 0), np.float32), int8.NO_MINS)
 
 
 def numba_args(args):
-    """`layer`'s arguments after `sin` from layer_args's tuple of one-part products (one_part): the
-    weights as int8.product takes them (float32 scales: quant.float_scales, kept on each weight once
-    built)."""
+    """`layer`'s arguments after `sin` from layer_args's tuple: the products' parts as int8.product
+    takes them (float32 scales: quant.float_scales), PARTS of each kind (so every layer compiles to
+    one signature), then where each product's parts start and each part's width."""
     *head, products = args
-    parts = [p for p, in products]
+    parts = [p for ps in products for p in ps]
+    if len(parts) > PARTS:
+        raise ValueError(f"a layer of {len(parts)} product parts; numba's layer takes {PARTS}")
     scales = [quant.float_scales(p) for p in parts]
-    return (*head, tuple(int8.prepare(p) for p in parts), tuple(d for d, _ in scales),
-            tuple(int8.NO_MINS if m is None else m for _, m in scales))
+    held = [(int8.prepare(p), np.ascontiguousarray(d, np.float32),
+             int8.NO_MINS if m is None else np.ascontiguousarray(m, np.float32)) for p, (d, m) in zip(parts, scales)]
+    held += [_EMPTY] * (PARTS - len(held))
+    starts = np.cumsum([0] + [len(ps) for ps in products]).astype(np.int64)
+    widths = np.array([p.n for p in parts] + [0] * (PARTS - len(parts)), np.int64)
+    return (*head, *(tuple(_read_only(h[i]) for h in held) for i in range(3)), starts, widths)
+
+
+def _read_only(a):
+    """A read-only view: a tuple's arrays must share one numba type, and the packed weights file maps
+    its blocks read-only (engine/packed.py) where a freshly built layout is writable."""
+    v = a.view()
+    v.flags.writeable = False
+    return v
 
 
 def addresses(caches):
