@@ -298,6 +298,23 @@ def default_gguf():
     return DEFAULT_GGUF
 
 
+@pytest.fixture(scope="session")
+def default_reference():
+    """transformers' float32 model of the default GGUF (dequantized by transformers itself), loaded
+    once for the tests that compare with it (~19 s a load on 2 cores); they only read it."""
+    if not DEFAULT_GGUF.exists():
+        pytest.skip(f"default model not present at {DEFAULT_GGUF}")
+    import torch
+    import transformers
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return transformers.AutoModelForCausalLM.from_pretrained(
+            DEFAULT_GGUF.parent, gguf_file=DEFAULT_GGUF.name, dtype=torch.float32, attn_implementation="eager").eval()
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.fixture
 def minilm_dir():
     """The pulled all-minilm-l6-v2 sentence-transformers directory (an embedding model)."""

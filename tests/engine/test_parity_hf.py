@@ -149,10 +149,9 @@ def test_dir_saved_by_transformers_loads(tiny_gguf, tmp_path):
 
 
 @pytest.mark.slow
-def test_default_model_matches_transformers(default_gguf):
+def test_default_model_matches_transformers(default_gguf, default_reference):
     """The real SmolLM2-135M Q4_1 GGUF, dequantized by transformers itself."""
-    reference = transformers.AutoModelForCausalLM.from_pretrained(
-        default_gguf.parent, gguf_file=default_gguf.name, dtype=torch.float32, attn_implementation="eager").eval()
+    reference = default_reference
     loaded = load_model(default_gguf, device="cpu")
     prompt = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3575, 2, 198, 1, 4093, 198, 504, 3575, 282]
     assert_parity(loaded, reference, prompt)
@@ -188,11 +187,10 @@ EMBED_TEXTS = ["a", ".", "Hello, world!", "The quick brown fox jumps over the la
 
 
 @pytest.mark.slow
-def test_default_model_embeddings_match_transformers(default_gguf):
+def test_default_model_embeddings_match_transformers(default_gguf, default_reference):
     """/v1/embeddings on the default SmolLM2 GGUF: transformers' hidden states of the same file,
     mean-pooled and normalised, on 20 varied texts."""
-    reference = transformers.AutoModelForCausalLM.from_pretrained(
-        default_gguf.parent, gguf_file=default_gguf.name, dtype=torch.float32, attn_implementation="eager").eval()
+    reference = default_reference
     engine = load_engine(default_gguf, device="cpu")
     seqs = engine.encode_batch(EMBED_TEXTS)
     ours = engine.embed(seqs)
@@ -210,7 +208,7 @@ INT8_TEXTS = ("The capital of France is", "def fibonacci(n):", "Once upon a time
 
 
 @pytest.mark.slow
-def test_default_model_with_int8_activations_keeps_greedy_parity(default_gguf, monkeypatch):
+def test_default_model_with_int8_activations_keeps_greedy_parity(default_gguf, default_reference, monkeypatch):
     """int8 activations (the default kernels) round each activation block: logits move, and a near
     tie on a greedy path can tip either way, after which a free-running path leaves transformers'.
     So the check runs along transformers' greedy paths, 9 prompts x 32 tokens, on both layer paths,
@@ -220,8 +218,7 @@ def test_default_model_with_int8_activations_keeps_greedy_parity(default_gguf, m
     must be the same; the mean and largest |dlogit| and the share of other argmaxes are bounded.
     tools/accuracy.py measures the same path against the float32 one and llama.cpp (README)."""
     monkeypatch.setattr(kernels_cpu, "ACTIVATIONS", "int8")
-    reference = transformers.AutoModelForCausalLM.from_pretrained(
-        default_gguf.parent, gguf_file=default_gguf.name, dtype=torch.float32, attn_implementation="eager").eval()
+    reference = default_reference
     engine = load_engine(default_gguf, device="cpu")
     model = engine.model
     prompts = [CHAT_PROMPT] + [engine.encode(t, add_bos=False) for t in INT8_TEXTS]

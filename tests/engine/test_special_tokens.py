@@ -225,10 +225,15 @@ def test_raw_text_still_parses_special_tokens(family):
 # ---- benign conversations: exactly the ids of a template render tokenized with special parsing
 
 
+_HF = {}      # id(tok) -> (tok, its transformers tokenizer): building one from a 49k vocabulary takes ~0.3 s
+
+
 def reference_ids(tok, template, messages, tools, kwargs):
     """The tokenization before: transformers renders the template, the backend parses every special string."""
     transformers = pytest.importorskip("transformers")
-    hf = transformers.PreTrainedTokenizerFast(tokenizer_object=Backend.from_str(tok.backend.to_str()))
+    if id(tok) not in _HF:
+        _HF[id(tok)] = tok, transformers.PreTrainedTokenizerFast(tokenizer_object=Backend.from_str(tok.backend.to_str()))
+    hf = _HF[id(tok)][1]
     text = hf.apply_chat_template(messages, tools=tools, chat_template=template, tokenize=False,
                                   add_generation_prompt=True, bos_token=tok.bos_token or "",
                                   eos_token=tok.eos_token or "", **kwargs)
