@@ -58,11 +58,11 @@ GGUF_TENSORS = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_p
                 "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
 
 
-def write_gguf_adapter(path, adapter, cfg, arch="llama", alpha=None, dtype=np.float32, extra=None):
+def write_gguf_adapter(path, adapter, cfg, arch="llama", alpha=None, dtype=np.float32, extra=None, meta=None):
     """PEFT adapter directory `adapter` as llama.cpp's convert_lora_to_gguf.py writes it: general.type
     "adapter", adapter.type "lora", adapter.lora.alpha (the config's lora_alpha unless given), each
     A and B as blk.N.<tensor>.weight.lora_a / .lora_b, B's q/k rows permuted as the base's are (llama).
-    `extra`: {tensor name: array} added as they are. Returns `path`."""
+    `extra`: {tensor name: array} added as they are; `meta`: {key: int or str} metadata added. Returns `path`."""
     import gguf
     from safetensors.numpy import load_file
     config = json.loads((Path(adapter) / "adapter_config.json").read_text())
@@ -70,6 +70,8 @@ def write_gguf_adapter(path, adapter, cfg, arch="llama", alpha=None, dtype=np.fl
     w.add_type("adapter")
     w.add_string("adapter.type", "lora")
     w.add_float32("adapter.lora.alpha", float(config["lora_alpha"] if alpha is None else alpha))
+    for key, value in (meta or {}).items():
+        w.add_uint64(key, value) if isinstance(value, int) else w.add_string(key, value)
     heads = {"q_proj": cfg["num_attention_heads"], "k_proj": cfg["num_key_value_heads"]}
     for name, value in sorted(load_file(str(Path(adapter) / "adapter_model.safetensors")).items()):
         layer, module, ab = name.split(".layers.")[1].split(".")[0], name.split(".")[-3], name.split(".")[-2][-1]

@@ -24,6 +24,9 @@ def models(tmp_path_factory):
     cfg = json.loads((held / "config.json").read_text())
     write_adapter(root / "pa", held, ALL_TARGETS, r=4, seed=1, base_name=BASE)
     write_gguf_adapter(root / "ga.gguf", root / "pa", cfg)
+    write_gguf_adapter(root / "huge.gguf", root / "pa", cfg, meta={"general.base_model.count": 2 ** 63})
+    write_gguf_adapter(root / "named.gguf", root / "pa", cfg, meta={"general.base_model.count": 1,
+                                                                     "general.base_model.0.name": f"org/{BASE}"})
     (root / "spare").mkdir()
     write_gguf_adapter(root / "spare" / "rt.gguf", root / "pa", cfg, alpha=16)
     (root / "spare" / "plain.gguf").write_bytes((root / f"{BASE}.gguf").read_bytes())   # a model, not an adapter
@@ -39,6 +42,9 @@ def test_a_gguf_lora_file_is_listed_as_an_adapter_of_the_base(client):
     data = listed(client)
     assert data["ga"]["parent"] == BASE and data["pa"]["parent"] == BASE     # the file names no base: the default
     assert "parent" not in data[BASE] and "held" not in data
+    assert data["named"]["parent"] == BASE                                  # its base's name's last part
+    assert data["huge"]["parent"] == BASE                                   # a hostile count: read, bounded
+    assert complete(client, "huge").status_int == 200
 
 
 def test_the_file_and_the_directory_give_the_same_text_on_the_fused_base(client):

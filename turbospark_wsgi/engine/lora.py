@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .gguf import GGUFFile, read_metadata, short_repr
+from .gguf import GGUFFile, short_repr
 from .safetensors_io import SafetensorsFile
 from .weights import gguf_rows_permuted, query_scale, unpermute_rotary_rows
 
@@ -117,14 +117,6 @@ GGUF_TARGETS = {"attn_q": "q_proj", "attn_k": "k_proj", "attn_v": "v_proj", "att
 _GGUF_TENSOR = re.compile(r"^blk\.(\d+)\.(\w+)\.weight\.lora_([ab])$")
 
 
-def is_gguf_adapter(path):
-    """Whether `path` is a GGUF file that says it is a LoRA adapter (general.type "adapter")."""
-    try:
-        return read_metadata(path).get("general.type") == "adapter"
-    except (OSError, ValueError):
-        return False
-
-
 def gguf_adapter(path, name, cfg, model, max_rank):
     """The LoraAdapter in llama.cpp's GGUF LoRA file `path` (general.type "adapter", adapter.type
     "lora", adapter.lora.alpha; its A and B as llama.cpp's converter writes them).
@@ -145,29 +137,16 @@ def gguf_adapter(path, name, cfg, model, max_rank):
                            f"this model is {cfg.arch}")
     if cfg.arch not in ARCHES:
         raise AdapterError(f"LoRA adapters run on llama and qwen2 models, not {cfg.arch}")
-    pairs = {}
-    for tensor in source.names:
-        m = _GGUF_TENSOR.match(tensor)
-        if m is None or m.group(2) not in GGUF_TARGETS:
-            raise AdapterError(f"tensor {short_repr(tensor)} is not a LoRA matrix of a supported target "
-                               f"({', '.join(GGUF_TARGETS)})")
-        if int(m.group(1)) >= cfg.n_layer:
-            raise AdapterError(f"tensor {tensor!r} is for layer {m.group(1)}; the model has {cfg.n_layer} layers")
-        pairs.setdefault((int(m.group(1)), GGUF_TARGETS[m.group(2)]), {})[m.group(3).upper()] = tensor
-    for (layer, module), ab in sorted(pairs.items()):
-        if len(ab) != 2:
-            raise AdapterError(f"layer {layer} {module} has lora_{'a' if 'A' not in ab else 'b'} missing")
+    pairs = _pairs(source, cfg, None, _GGUF_TENSOR, GGUF_TARGETS)
     if not pairs:
         raise AdapterError("the GGUF file holds no LoRA matrices")
-    ranks = sorted({source.shape(ab["A"])[0] if len(source.shape(ab["A"])) == 2 else 0 for ab in pairs.values()})
+    shapes = [source.shape(ab["A"]) for ab in pairs.values()]
+    if any(len(shape) != 2 for shape in shapes):
+        raise AdapterError("the adapter's lora_a tensors must be matrices")
+    ranks = sorted({shape[0] for shape in shapes})
     if len(ranks) != 1:
         raise AdapterError(f"the adapter's matrices have ranks {ranks}; one rank for every matrix is supported")
-    rank, alpha = ranks[0], meta.get("adapter.lora.alpha", 0)
-    if not 0 < rank <= max_rank:
-        raise AdapterError(f"the adapter's rank {rank} is over this server's limit of {max_rank} "
-                           "(TURBOSPARK_MAX_LORA_RANK)" if rank > max_rank else "the adapter's matrices are not 2-D")
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
-        raise AdapterError(f"adapter.lora.alpha must be a number, not {short_repr(alpha)}")
+    rank, alpha = _rank_and_alpha(ranks[0], meta.get("adapter.lora.alpha", 0), max_rank, "adapter.lora.alpha")
     scale = alpha / rank if alpha else 1.0
     source = _GGUFRows(source, cfg) if gguf_rows_permuted(cfg) else source
     return _adapter(name, rank, scale, str(meta.get("general.base_model.0.name") or ""), source, pairs, cfg, model)
@@ -199,13 +178,7 @@ def _check_config(config, max_rank):
     for key in ("rank_pattern", "alpha_pattern", "modules_to_save"):
         if config.get(key):
             raise AdapterError(f"{key} is not supported")
-    rank, alpha = config.get("r"), config.get("lora_alpha", config.get("r"))
-    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
-        raise AdapterError(f"the adapter's rank r must be a positive integer, not {rank!r}")
-    if rank > max_rank:
-        raise AdapterError(f"the adapter's rank {rank} is over this server's limit of {max_rank} (TURBOSPARK_MAX_LORA_RANK)")
-    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not math.isfinite(alpha):
-        raise AdapterError(f"lora_alpha must be a number, not {alpha!r}")
+    rank, alpha = _rank_and_alpha(config.get("r"), config.get("lora_alpha", config.get("r")), max_rank, "lora_alpha")
     scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
     targets = config.get("target_modules")
     if isinstance(targets, list):
@@ -220,22 +193,40 @@ def _check_config(config, max_rank):
     return rank, float(scale), targets
 
 
-def _pairs(source, cfg, targets):
-    """{(layer, module): {"A": name, "B": name}} of the file's tensors, each name checked."""
+def _rank_and_alpha(rank, alpha, max_rank, alpha_key):
+    """(rank, alpha) where the rank is a positive integer within `max_rank` and alpha (the file's
+    `alpha_key`) a finite number; else AdapterError naming which is not."""
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
+        raise AdapterError(f"the adapter's rank r must be a positive integer, not {short_repr(rank)}")
+    if rank > max_rank:
+        raise AdapterError(f"the adapter's rank {rank} is over this server's limit of {max_rank} (TURBOSPARK_MAX_LORA_RANK)")
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not math.isfinite(alpha):
+        raise AdapterError(f"{alpha_key} must be a number, not {short_repr(alpha)}")
+    return rank, alpha
+
+
+def _pairs(source, cfg, targets, pattern=_TENSOR, modules=None):
+    """{(layer, PEFT module): {"A": name, "B": name}} of the file's tensors, each name checked.
+    `pattern` reads (layer, module, a or b) off a name as the file spells them (PEFT's by default),
+    `modules` maps its module names to PEFT's (GGUF_TARGETS; default: PEFT's own)."""
+    modules = modules or {m: m for m in TARGETS}
     pairs = {}
     for name in source.names:
-        m = _TENSOR.match(name)
+        m = pattern.match(name)
         if m is None:
-            raise AdapterError(f"tensor {name!r} is not a LoRA matrix of a supported target ({', '.join(TARGETS)})")
-        layer, module, ab = int(m.group(1)), m.group(2), m.group(3)
-        if module not in TARGETS or (targets is not None and module not in targets):
-            raise AdapterError(f"tensor {name!r} is for module {module!r}, not one of the adapter's targets")
+            raise AdapterError(f"tensor {short_repr(name)} is not a LoRA matrix of a supported target "
+                               f"({', '.join(modules)})")
+        layer, module, ab = int(m.group(1)), modules.get(m.group(2)), m.group(3)
+        if module is None or (targets is not None and module not in targets):
+            raise AdapterError(f"tensor {name!r} is for module {m.group(2)!r}, not one of the adapter's targets")
         if layer >= cfg.n_layer:
             raise AdapterError(f"tensor {name!r} is for layer {layer}; the model has {cfg.n_layer} layers")
-        pairs.setdefault((layer, module), {})[ab] = name
+        pairs.setdefault((layer, module), {})[ab.upper()] = name
     for (layer, module), ab in pairs.items():
         if len(ab) != 2:
-            raise AdapterError(f"layer {layer} {module} has lora_{'A' if 'A' not in ab else 'B'} missing")
+            (have,) = ab.values()
+            missing = {"A": "B", "B": "A", "a": "b", "b": "a"}[pattern.match(have).group(3)]   # as the file spells it
+            raise AdapterError(f"layer {layer} {module} has lora_{missing} missing")
     return pairs
 
 

@@ -147,29 +147,29 @@ class Transformer:
         alone computes."""
         c, w, xp = self.cfg, self.w, self.xp
         ids = np.asarray(tokens, dtype=np.int64).reshape(-1)
-        own, ends, seq, pos = _placed(caches)
+        own, ends, seq, pos = placed = _placed(caches)
         adapters = list(adapters or ()) or [None] * len(ids)
         for cache, end in zip(own, ends):
             cache.reserve(end)          # before any row's K/V is written: growing keeps only `length`
         variant = self.variant
-        x = self._fused_decode(variant, ids, caches, adapters) if variant.fused else \
+        x = self._fused_decode(variant, ids, caches, adapters, placed) if variant.fused else \
             self._decode_layers(ids, pos, caches, RowLora.of(self, adapters))         # [B, 1, dim]
         for cache, end in zip(own, ends):
             cache.length = end
         return soft_cap(to_host(rms_norm(x, w.norm, c.norm_eps, xp) @ w.head)[:, 0], c.final_softcap)   # [B, vocab]
 
-    def _fused_decode(self, variant, ids, caches, adapters):
-        """`decode_batch`'s layers on the fused `variant` -> x `[B, 1, dim]`; rows that run an
-        adapter go step by step beside them (NOTE(lora-path): lora.py), each row what it is alone."""
+    def _fused_decode(self, variant, ids, caches, adapters, placed=None):
+        """`decode_batch`'s layers, fused -> x `[B, 1, dim]`; adapter rows step by step beside them (NOTE(lora-path))."""
         base, runs = ([b for b, a in enumerate(adapters) if (a is None) == want] for want in (True, False))
+        if not runs:                    # the usual step: every row fused, placed by decode_batch
+            own, ends, seq, pos = placed or _placed(caches)
+            return self._fused_layers(variant, self._embed(ids), np.asarray(seq, np.int64), np.asarray(pos, np.int64),
+                                      own, ends)[:, None]
         x = np.empty((len(ids), 1, self.cfg.dim), np.float32)
         if base:
-            own, ends, seq, pos = _placed([caches[b] for b in base])
-            x[base, 0] = self._fused_layers(variant, self._embed(ids[base]), np.asarray(seq, np.int64),
-                                            np.asarray(pos, np.int64), own, ends)
-        if runs:
-            rows = [caches[b] for b in runs]
-            x[runs] = self._decode_layers(ids[runs], _placed(rows)[3], rows, RowLora([adapters[b] for b in runs], self.xp))
+            x[base] = self._fused_decode(variant, ids[base], [caches[b] for b in base], [None] * len(base))
+        rows = [caches[b] for b in runs]
+        x[runs] = self._decode_layers(ids[runs], _placed(rows)[3], rows, RowLora([adapters[b] for b in runs], self.xp))
         return x
 
     def _decode_layers(self, ids, pos, caches, lora=None):

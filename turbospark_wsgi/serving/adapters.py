@@ -37,22 +37,35 @@ def is_adapter_dir(path):
     return os.path.isfile(os.path.join(path, CONFIG_FILE)) and not os.path.isfile(os.path.join(path, "config.json"))
 
 
-_gguf_kinds = {}        # (real path, size, mtime) -> whether that GGUF file is a LoRA adapter
+_gguf_adapters = {}     # (real path, size, mtime) -> a GGUF file's base model names if it is a LoRA adapter, else None
 
 
-def is_adapter_file(path):
-    """A GGUF file that says it is a LoRA adapter (its header read once per version of the file)."""
+def _gguf_adapter_bases(path):
+    """The base model names (general.base_model.N.name) of a GGUF file that says it is a LoRA
+    adapter (general.type "adapter"), else None; its header read once per version of the file."""
     if not path.endswith(".gguf"):
-        return False
+        return None
     try:
         st = os.stat(path)
     except OSError:
-        return False
+        return None
     key = (os.path.realpath(path), st.st_size, st.st_mtime_ns)
-    if key not in _gguf_kinds:
-        from ..engine.lora import is_gguf_adapter
-        _gguf_kinds[key] = os.path.isfile(path) and is_gguf_adapter(path)
-    return _gguf_kinds[key]
+    if key not in _gguf_adapters:
+        from ..engine.gguf import read_metadata
+        try:
+            meta = read_metadata(path) if os.path.isfile(path) else {}
+        except (OSError, ValueError):
+            meta = {}
+        count = meta.get("general.base_model.count", 0)
+        count = count if isinstance(count, int) and not isinstance(count, bool) else 0
+        _gguf_adapters[key] = tuple(meta.get(f"general.base_model.{i}.name") for i in range(min(count, 16))) \
+            if meta.get("general.type") == "adapter" else None
+    return _gguf_adapters[key]
+
+
+def is_adapter_file(path):
+    """A GGUF file that says it is a LoRA adapter."""
+    return _gguf_adapter_bases(path) is not None
 
 
 def is_adapter(path):
@@ -154,7 +167,7 @@ class Adapters:
         `base_model_name_or_path`, a GGUF file's general.base_model.N.name (NOTE(lora-gguf-parent)),
         as an installed id or alias, else that name's last part."""
         try:
-            names = _gguf_base_names(path) if os.path.isfile(path) else \
+            names = _gguf_adapter_bases(path) or () if os.path.isfile(path) else \
                 [(read_object(os.path.join(path, CONFIG_FILE), CONFIG_FILE) or {}).get(k)
                  for k in ("parent", "base_model_name_or_path")]
         except (OSError, ValueError):
@@ -166,12 +179,6 @@ class Adapters:
                 if self._catalog.find(name) is not None and not is_adapter(self._catalog.find(name)):
                     return name
         return None
-
-
-def _gguf_base_names(path):
-    from ..engine.gguf import read_metadata
-    meta = read_metadata(path)
-    return [meta.get(f"general.base_model.{i}.name") for i in range(int(meta.get("general.base_model.count", 0) or 0))]
 
 
 def _weights_mtime(path):
