@@ -46,7 +46,7 @@ def test_config_defaults_and_env():
     ({"TURBOSPARK_FUSED_LAYERS": "2"}, "TURBOSPARK_FUSED_LAYERS must be true or false"),
     ({"TURBOSPARK_INT8_ISA": "sse9"}, "TURBOSPARK_INT8_ISA must be one of auto, vnni512, avxvnni, avx2, neon"),
     ({"TURBOSPARK_INT8_ISA": "\ud800"}, "TURBOSPARK_INT8_ISA must be one of"),
-    ({"TURBOSPARK_KV_CACHE": "f8"}, "TURBOSPARK_KV_CACHE must be one of auto, f16, f32"),
+    ({"TURBOSPARK_KV_CACHE": "f8"}, "TURBOSPARK_KV_CACHE must be one of auto, f16, f32, q8_0"),
     ({"TURBOSPARK_KV_CACHE": "\ud800"}, "TURBOSPARK_KV_CACHE must be one of"),
     ({"TURBOSPARK_KV_CACHE": "f16" * 10000}, "TURBOSPARK_KV_CACHE must be one of"),
     ({"TURBOSPARK_KERNELS": "fortran"}, "TURBOSPARK_KERNELS must be one of auto, native, numba"),

@@ -1,6 +1,6 @@
 """How far the default (int8) CPU path is from the float32 path, beside llama.cpp on the same GGUF.
 
-    python tools/accuracy.py [--model GGUF] [--llama-server URL] [--steps 48] [--json]
+    python tools/accuracy.py [--model GGUF] [--llama-server URL] [--steps 48] [--json] [--kv-cache q8_0]
         [--float-products head,wqkv,wo,w_gate_up,w_down]
 
 The float32 path (float kernels, dequantized weights' exact values) equals transformers to ~1e-4 on
@@ -29,6 +29,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from turbospark_wsgi.engine import load_engine  # noqa: E402
+from turbospark_wsgi.engine.options import KV_CACHE  # noqa: E402
 from turbospark_wsgi.pull import default_model_path  # noqa: E402
 
 PROMPTS = [
@@ -141,6 +142,7 @@ def parse_args(argv=None):
     p.add_argument("--llama-server", default="", help="URL of a llama-server on the same GGUF")
     p.add_argument("--n-probs", type=int, default=40, help="top-N probabilities asked of llama-server")
     p.add_argument("--float-products", default="", help=f"comma list of head,{','.join(PRODUCTS)}")
+    p.add_argument("--kv-cache", default="auto", choices=KV_CACHE, help="our KV cache's numbers (TURBOSPARK_KV_CACHE)")
     p.add_argument("--json", action="store_true")
     return p.parse_args(argv)
 
@@ -216,7 +218,7 @@ def measure(args):
     STEPS = args.steps
     PROMPTS = PROMPTS[:max(1, args.prompts)]
     ref_engine = load_engine(args.model, device="cpu", activations="float32")
-    ours = load_engine(args.model, device="cpu")
+    ours = load_engine(args.model, device="cpu", kv_cache=args.kv_cache)
     model, ref = ours.model, ref_engine.model
     for name in filter(None, args.float_products.split(",")):
         targets = [ours.model.w.head] if name == "head" else [getattr(lw, name) for lw in model.w.layers]
@@ -229,7 +231,7 @@ def measure(args):
     ids = ours.encode(TEXT, add_bos=ours.add_bos)
     ref_lp = log_softmax(ref.forward(ids, ref.new_cache(len(ids)), logits="all")[:-1])
     lp = log_softmax(model.forward(ids, model.new_cache(len(ids)), logits="all")[:-1])
-    result = {"model": os.path.basename(args.model), "kernels": ours.kernels,
+    result = {"model": os.path.basename(args.model), "kernels": ours.kernels, "kv_cache": args.kv_cache,
               "float_products": args.float_products,
               "this_server": {"greedy": greedy_figures([divergence(r, greedy(model, p, STEPS))
                                                         for p, r in zip(prompts, ref_paths)]),

@@ -22,7 +22,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from turbospark_wsgi.engine import load_engine  # noqa: E402
 from turbospark_wsgi.pull import default_model_path  # noqa: E402
 
-PATHS = {"step-by-step": (False, False), "fused": (True, True), "fused-f32kv": (True, False)}   # fused, kv_half
+PATHS = {"step-by-step": (False, "f32"), "fused": (True, "f16"), "fused-f32kv": (True, "f32"),
+         "fused-q8kv": (True, "q8_0")}   # fused, KernelPlan.kv
 
 
 def parse_args(argv=None):
@@ -38,8 +39,8 @@ def parse_args(argv=None):
 
 def step_ms(model, batch, steps, depth, path):
     """Median ms of `steps` decode steps of `batch` sequences on one path (PATHS)."""
-    fused, kv_half = PATHS[path]
-    model.plan = dataclasses.replace(model.plan, fused=fused, kv_half=kv_half)   # EngineOptions.fused_layers, kv_cache
+    fused, kv = PATHS[path]
+    model.plan = dataclasses.replace(model.plan, fused=fused, kv=kv)   # EngineOptions.fused_layers, kv_cache
     caches = [model.new_cache(depth + steps + 2) for _ in range(batch)]
     for b, cache in enumerate(caches):
         model.forward([(7 * b + 3 * i) % 1000 + 100 for i in range(depth)], cache, logits="none")

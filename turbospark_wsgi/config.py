@@ -31,7 +31,7 @@ class Config:
     WEIGHTS (auto|quant|fp32), ACTIVATIONS (auto|int8|float32), GEMV_MAX_B and SINGLE_ROW_THREADS (CPU
     kernel tuning), INT8_ISA (auto|vnni512|avxvnni|avx2|neon|generic: the int8 dots' instructions),
     INT8_VNNI (1 or 0), FUSED_LAYERS (1 or 0: each layer one CPU kernel call, or the
-    step-by-step path), KV_CACHE (auto|f16|f32: the KV cache's numbers), KERNELS (auto|native|numba: the CPU kernels'
+    step-by-step path), KV_CACHE (auto|f16|f32|q8_0: the KV cache's numbers), KERNELS (auto|native|numba: the CPU kernels'
     code: C built by the machine's compiler, or numba's), SPECULATIVE (auto|on|off: speculative decoding by prompt lookup, auto where it
     pays), SPECULATIVE_TOKENS (tokens proposed per sequence and step), DRAFT_MODEL (an installed model
     of the same tokenizer that proposes instead of prompt lookup), ENCODER_THREADS (BLAS threads of an embedding encoder),

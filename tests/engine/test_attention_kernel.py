@@ -115,5 +115,5 @@ def test_cache_writes_round_to_the_nearest_half_and_clamp_to_its_range():
     same = np.empty(len(x), np.float32)
     store(x, attention.element(np.float32), same)
     assert np.array_equal(same, x)
-    with pytest.raises(ValueError, match="float32 or float16"):
+    with pytest.raises(ValueError, match="float32, float16 or q8_0"):
         attention.element(np.float64)

@@ -54,7 +54,7 @@ def _run(model, prompt, steps):
 
 def fused_and_step_by_step(model, prompt, steps, monkeypatch):
     """Both paths with float32 KV caches (the step-by-step path's), so only the layers differ."""
-    monkeypatch.setattr(model, "plan", dataclasses.replace(model.plan, kv_half=False))
+    monkeypatch.setattr(model, "plan", dataclasses.replace(model.plan, kv="f32"))
     assert model.fused and model.new_cache(1).k.dtype == np.float32
     return _run(model, prompt, steps), step_by_step(model, lambda: _run(model, prompt, steps), monkeypatch)
 
@@ -82,7 +82,7 @@ def test_half_float_kv_caches_move_the_logits_by_their_rounding_alone(tiny_gguf,
     prompt, steps = [1, 40, 72, 101, 108, 108, 111, 260, 263, 32], [5, 6, 7]
     half_logits, half = _run(model, prompt, steps)
     assert half.k.dtype == half.v.dtype == np.float16 and "f16 KV cache" in model.plan.describe()
-    monkeypatch.setattr(model, "plan", dataclasses.replace(model.plan, kv_half=False))
+    monkeypatch.setattr(model, "plan", dataclasses.replace(model.plan, kv="f32"))
     full_logits, full = _run(model, prompt, steps)
     assert full.k.dtype == np.float32 and "f32 KV cache" in model.plan.describe()
     n = len(prompt) + 3

@@ -74,7 +74,7 @@ def test_options_refuse_unknown_weights_and_overrides_keep_the_rest():
         EngineOptions(weights="int4")
     with pytest.raises(ValueError, match="activations must be auto, int8 or float32"):
         EngineOptions(activations="int4")
-    with pytest.raises(ValueError, match="kv_cache must be auto, f16 or f32, not 'f8'"):
+    with pytest.raises(ValueError, match="kv_cache must be auto, f16, f32 or q8_0, not 'f8'"):
         EngineOptions(kv_cache="f8")
     from turbospark_wsgi.engine.options import resolve
     base = EngineOptions(device="cpu", max_batch=2)

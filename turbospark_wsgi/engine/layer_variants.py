@@ -23,7 +23,7 @@ from typing import Callable
 import numpy as np
 
 from . import yielding
-from .kernels import cpu as kernels_cpu, layer as kernels_layer
+from .kernels import attention as kernels_attention, cpu as kernels_cpu, layer as kernels_layer
 
 
 @dataclass(frozen=True)
@@ -60,11 +60,11 @@ def native_layers(model, x, seq, at, kv, elem, ropes):
     lib = model.native
     if model._native_layers is None:
         model._native_layers = [lib.layer_weights(args, model.cfg.dim) for args in model._layer_args]
-    half, threads = elem.dtype == np.uint16, kernels_cpu.thread_count()
+    kind, threads = kernels_attention.kind(elem), kernels_cpu.thread_count()
     for i, lw in enumerate(model._native_layers):
         yielding.point()                                                # NOTE(front-door): see yielding.py
         cos, sin = ropes[i]
-        lib.layer(lw, x, seq, at, kv, half, i, model.layer_window(i), cos, sin, threads)
+        lib.layer(lw, x, seq, at, kv, kind, i, model.layer_window(i), cos, sin, threads)
     return x
 
 

@@ -59,7 +59,7 @@ def _load(path, options):
     else:
         kind, metadata, cfg, source = "gguf", *_open_gguf(path)
     _check_shapes(cfg, source, kind)
-    plan = kernel_plan(options)
+    plan = kernel_plan(options).for_heads(cfg.head_dim)
     if backend.kernels is not None and kind == "gguf" and options.weights != "fp32":
         from .gpu.model import load_device_model     # GGUF blocks on the device
         model, held = load_device_model(cfg, source, backend.kernels), ""

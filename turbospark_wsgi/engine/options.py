@@ -10,7 +10,7 @@ WEIGHTS = ("auto", "quant", "fp32")
 ACTIVATIONS = ("auto", "int8", "float32")
 INT8_PATHS = ("auto", "vnni512", "avxvnni", "avx2", "neon", "generic")   # isa.PATHS
 SPECULATIVE = ("auto", "on", "off")
-KV_CACHE = ("auto", "f16", "f32")
+KV_CACHE = ("auto", "f16", "f32", "q8_0")
 KERNELS = ("auto", "native", "numba")
 
 
@@ -33,8 +33,9 @@ class EngineOptions:
     int8_vnni: bool = True          # VNNI integer dots where the CPU has them (off: auto skips them)
     int8_isa: str = "auto"          # the int8 dots' instructions: auto (best the CPU has) or an isa.PATHS name
     fused_layers: bool = True       # int8 on the CPU: each layer one kernel call (kernels/layer.py); off: step by step
-    # the KV cache's numbers: f16 (half floats), f32; auto: f16 where layers are fused (the kernel reads
-    # half floats there: kernels/attention.py, NOTE(kv-half)), else f32
+    # the KV cache's numbers: f16 (half floats), f32, q8_0 (GGUF's 8-bit blocks of 32: kv_cache.py,
+    # NOTE(kv-q8)); auto: f16. f16 and q8_0 where layers are fused (the kernels read them there:
+    # kernels/attention.py, NOTE(kv-half)), else f32; q8_0 where a head's values are a multiple of 32, else f16
     kv_cache: str = "auto"
     # the CPU kernels' code: native (C, built by the machine's compiler in about a second: kernels/native.py),
     # numba (compiled at a machine's first load, ~20 s); auto: native where it builds, else numba
@@ -55,7 +56,7 @@ class EngineOptions:
         if self.int8_isa not in INT8_PATHS:
             raise ValueError(f"int8_isa must be one of {', '.join(INT8_PATHS)}, not {self.int8_isa!r}")
         if self.kv_cache not in KV_CACHE:
-            raise ValueError(f"kv_cache must be auto, f16 or f32, not {self.kv_cache!r}")
+            raise ValueError(f"kv_cache must be auto, f16, f32 or q8_0, not {self.kv_cache!r}")
         if self.kernels not in KERNELS:
             raise ValueError(f"kernels must be auto, native or numba, not {self.kernels!r}")
         if self.speculative not in SPECULATIVE:
@@ -75,24 +76,33 @@ def resolve(options, overrides):
 class KernelPlan:
     """The CPU kernels one model runs: `activations` "int8" or "float32", `isa` the int8 dots'
     instruction path (isa.PATHS), `fused` each layer one kernel call (int8 only), and why;
-    `kv_half`: the KV cache holds half floats where layers are fused (f32 elsewhere); `native`: the
+    `kv`: the KV cache's numbers where layers are fused, "f16", "f32" or "q8_0" (f32 elsewhere); `native`: the
     C kernels' Library (kernels/native.py) that runs them, or None for numba's, and `code` why."""
 
     activations: str
     isa: str
     fused: bool
     reason: str
-    kv_half: bool = True
+    kv: str = "f16"
     native: object = None
     code: str = "numba kernels"
+    kv_why: str = ""        # why the KV cache is not what the options asked for, or ""
+
+    def for_heads(self, head_dim):
+        """This plan for a model of `head_dim` values a head: q8_0 rows hold blocks of 32 values, so
+        other heads keep f16, saying why."""
+        if self.kv != "q8_0" or head_dim % 32 == 0:
+            return self
+        return dataclasses.replace(self, kv="f16", kv_why=f"q8_0 takes heads of a multiple of 32 values, not {head_dim}")
 
     def describe(self):
         """One line for the startup log and `turbospark models`."""
         fused = self.fused and self.activations == "int8"
         layers = "fused layers" if fused else "step by step"
         dots = f", integer dots: {self.isa}" if self.activations == "int8" else ""
-        kv = "f16" if fused and self.kv_half else "f32"
-        return f"{self.activations} activations{dots}, {layers}, {kv} KV cache, {self.code} ({self.reason})"
+        kv = self.kv if fused else "f32"
+        why = f" ({self.kv_why})" if self.kv_why and fused else ""
+        return f"{self.activations} activations{dots}, {layers}, {kv} KV cache{why}, {self.code} ({self.reason})"
 
 
 def kernel_plan(options):
@@ -115,7 +125,7 @@ def kernel_plan(options):
     if act == "int8" and not kernels_q8.AVAILABLE:
         act, why = "float32", "int8 requested but numba is absent"
     lib, code = native_kernels(options.kernels, choice.path, kernels_q8.AVAILABLE)
-    return KernelPlan(act, choice.path, bool(options.fused_layers), why, options.kv_cache != "f32", lib, code)
+    return KernelPlan(act, choice.path, bool(options.fused_layers), why, "f16" if options.kv_cache == "auto" else options.kv_cache, lib, code)
 
 
 def native_kernels(want, path, numba_present=True):

@@ -22,10 +22,11 @@ step after 2,000 tokens (tools/bench_decode.py --depth 2000, fused) 18.9 -> 13-1
 of a row's query heads measured 3-8% slower for that decode (the rows come from the core's cache).
 
 The KV caches are reached by address: `kv` [S, 3] int64 holds each sequence's K buffer address, V
-buffer address and capacity (buffers C-contiguous [n_layer, capacity, G, D], kept alive and large
+buffer address and capacity (buffers C-contiguous [n_layer, capacity, G, row], kept alive and large
 enough by the caller for the call's length). Their element type is that of `elem`, an empty array
-passed beside `kv`: float32, or uint16 holding IEEE half floats (a float16 cache: see
-NOTE(kv-half)). `exp` is the vectorisable e^x the layer's gates share.
+passed beside `kv`: float32, uint16 holding IEEE half floats (a float16 cache: see NOTE(kv-half)),
+or int8 for rows of GGUF's q8_0 numbers (D int8 values, then D/32 half-float scales: kv_cache.py,
+NOTE(kv-q8)). `exp` is the vectorisable e^x the layer's gates share.
 
 PERF(kv-half): a decode step at depth reads every K/V row of every layer once, and those rows do not
 stay in the core's caches between steps (SmolLM2-135M at 2,000 tokens: 92 MB of float32 K/V a step).
@@ -56,16 +57,22 @@ CHUNK = 256     # keys in a chunk; NOTE(exact-prefix): changing it changes every
 AHEAD = 16
 SPREAD_BELOW = 32   # fewer (block, KV head) pairs than this: a call computes its chunks in parallel
 EMPTY = np.float32(-3.0e38)    # a partial's m where the chunk holds no key of the row (the kernels assume no inf)
-KV_DTYPES = (np.dtype(np.float32), np.dtype(np.float16))     # what a KV cache may hold
+KV_DTYPES = (np.dtype(np.float32), np.dtype(np.float16), np.dtype(np.int8))     # what a KV cache may hold
+KINDS = {np.dtype(np.float32): 0, np.dtype(np.uint16): 1, np.dtype(np.int8): 2}    # native.c's KV_F32, KV_F16, KV_Q8
 
 
 def element(dtype):
-    """The `elem` the kernels take for KV buffers of numpy `dtype` (float32, or float16 passed as
-    its bits: NOTE(kv-half))."""
+    """The `elem` the kernels take for KV buffers of numpy `dtype`: float32, float16 passed as its
+    bits (NOTE(kv-half)), or int8 for q8_0 rows (kv_cache.py, NOTE(kv-q8))."""
     dtype = np.dtype(dtype)
     if dtype not in KV_DTYPES:
-        raise ValueError(f"KV caches hold float32 or float16, not {dtype}")
-    return np.empty(0, np.uint16 if dtype == np.float16 else np.float32)
+        raise ValueError(f"KV caches hold float32, float16 or q8_0 rows, not {dtype}")
+    return np.empty(0, np.uint16 if dtype == np.float16 else dtype)
+
+
+def kind(elem):
+    """The C kernels' number for `elem`'s KV rows (native.c: KV_F32, KV_F16, KV_Q8)."""
+    return KINDS[elem.dtype]
 
 
 if AVAILABLE:
@@ -132,11 +139,67 @@ if AVAILABLE:
             return lambda x, elem: _half_bits(min(max(x, np.float32(-65504.0)), np.float32(65504.0)))
         return lambda x, elem: x
 
+    def row_len(elem, D):
+        """Elements of `elem`'s type in one KV row of D values (numba code only: see the overload)."""
+        raise NotImplementedError("row_len runs inside numba kernels only")
+
+    @overload(row_len, inline="always")
+    def _row_len(elem, D):
+        if elem.dtype == types.int8:                 # NOTE(kv-q8): D values, then D/32 half scales
+            return lambda elem, D: D + D // 16
+        return lambda elem, D: D
+
+    def kv_at(row, d):
+        """Value d of a KV row as float32 (numba code only: see the overload)."""
+        raise NotImplementedError("kv_at runs inside numba kernels only")
+
+    @overload(kv_at, inline="always")
+    def _kv_at(row, d):
+        if row.dtype == types.int8:
+            def q8(row, d):
+                at = row.shape[0] * 16 // 17 + 2 * (d // 32)
+                bits = (np.int32(row[at]) & 0xFF) | ((np.int32(row[at + 1]) & 0xFF) << 8)
+                return as_f32(np.uint16(bits)) * np.float32(row[d])
+            return q8
+        return lambda row, d: as_f32(row[d])
+
+    @njit(**_JIT)
+    def quantize_q8(x, out):   # pragma: no cover - compiled
+        # NOTE(kv-q8): the q8_0 row of x [D] into out [D + D/16] int8 (no fast-math: the bits of
+        # native.c's ts_quantize_kv and kv_cache.quantize_q8)
+        D = x.shape[0]
+        for b in range(D // 32):
+            amax = np.float32(0)
+            for e in range(32):
+                amax = max(amax, abs(x[32 * b + e]))
+            h = _half_bits(min(amax / np.float32(127), np.float32(65504.0)))
+            d = as_f32(h)
+            for e in range(32):
+                r = np.rint(x[32 * b + e] / d) if d > 0 else np.float32(0)
+                out[32 * b + e] = np.int8(min(max(r, np.float32(-127)), np.float32(127)))
+            out[D + 2 * b] = np.int8(np.int32(h & 0xFF) - (256 if h & 0x80 else 0))
+            out[D + 2 * b + 1] = np.int8(np.int32(h >> 8) - (256 if h & 0x8000 else 0))
+
+    def store_kv(row, x):
+        """Stores float32 values x [D] as KV row `row` of its type (numba code only: see the overload)."""
+        raise NotImplementedError("store_kv runs inside numba kernels only")
+
+    @overload(store_kv, inline="always")
+    def _store_kv(row, x):
+        if row.dtype == types.int8:
+            return lambda row, x: quantize_q8(x, row)
+
+        def plain(row, x):
+            # NOTE(compile): an element loop; slice assignments took 7 s more to compile
+            for d in range(x.shape[0]):
+                row[d] = to_elem(x[d], row)
+        return plain
+
     @njit(**_JIT)
     def layer_view(kv, elem, s, which, li, G, D):   # pragma: no cover - compiled
-        # sequence s's K (which 0) or V (1) buffer of layer li as [capacity, G, D]
-        cap = kv[s, 2]
-        return carray(_at(kv[s, which] + elem.itemsize * li * cap * G * D, elem), (cap, G, D))
+        # sequence s's K (which 0) or V (1) buffer of layer li as [capacity, G, row]
+        cap, n = kv[s, 2], row_len(elem, D)
+        return carray(_at(kv[s, which] + elem.itemsize * li * cap * G * n, elem), (cap, G, n))
 
     @intrinsic
     def _pow2(typingctx, n):
@@ -170,7 +233,7 @@ if AVAILABLE:
         # vectorised with reassociation: the lanes' order is fixed by this loop alone
         acc = np.float32(0)
         for d in range(q.shape[0]):
-            acc += q[d] * as_f32(k[d])
+            acc += q[d] * kv_at(k, d)
         return acc
 
     @njit(fastmath=True, cache=True, nogil=True)
@@ -208,12 +271,12 @@ if AVAILABLE:
             e0, e1, e2, e3 = s[j - a], s[j + 1 - a], s[j + 2 - a], s[j + 3 - a]
             v0, v1, v2, v3 = vals[j, g], vals[j + 1, g], vals[j + 2, g], vals[j + 3, g]
             for d in range(o.shape[0]):
-                o[d] += (e0 * as_f32(v0[d]) + e1 * as_f32(v1[d])) + (e2 * as_f32(v2[d]) + e3 * as_f32(v3[d]))
+                o[d] += (e0 * kv_at(v0, d) + e1 * kv_at(v1, d)) + (e2 * kv_at(v2, d) + e3 * kv_at(v3, d))
             j += 4
         for j in range(j, b):
             e, vj = s[j - a], vals[j, g]
             for d in range(o.shape[0]):
-                o[d] += e * as_f32(vj[d])
+                o[d] += e * kv_at(vj, d)
         return best, _total(s[:b - a])
 
     @njit(**_FM)
@@ -354,21 +417,22 @@ if AVAILABLE:
 
 def attend(q, keys, vals, pos, window=0, lib=None):
     """Causal attention of rows q `[T, H, D]` (pre-scaled) at positions pos.. over keys/values
-    `[n, G, D]` (n >= pos + T; query head h reads KV head h // (H/G)) -> `[T, H*D]` float32.
+    `[n, G, D]` (or q8_0 rows `[n, G, D + D/16]` int8; n >= pos + T; query head h reads KV head h // (H/G)) -> `[T, H*D]` float32.
     With a sliding `window` the row at position p reads only keys max(0, p - window + 1)..p.
     A row gets the same bits as in `attend_rows` (see NOTE(exact-prefix) above); on the C kernels
     `lib` (native.Library) where given, as its `attend_rows`."""
     T, H, D = q.shape
     G = keys.shape[1]
-    # half-float caches (NOTE(kv-half)) are read as they are, as the fused layers read them
-    dtype = np.float16 if keys.dtype == vals.dtype == np.float16 else np.float32
+    # half-float caches (NOTE(kv-half)) and q8_0 rows (int8: NOTE(kv-q8)) are read as they are, as
+    # the fused layers read them
+    dtype = keys.dtype if keys.dtype == vals.dtype and keys.dtype in (np.float16, np.int8) else np.float32
     keys, vals = np.ascontiguousarray(keys, dtype=dtype), np.ascontiguousarray(vals, dtype=dtype)
     kv = np.array([[keys.ctypes.data, vals.ctypes.data, keys.shape[0]]], np.int64)
     out = np.empty((T, H * D), np.float32)
     rows = np.ascontiguousarray(q, dtype=np.float32).reshape(T, H * D)
     seq, at = np.zeros(T, np.int64), np.arange(pos, pos + T, dtype=np.int64)
     if lib is not None:
-        lib.attend_rows(rows, seq, at, kv, dtype == np.float16, 0, int(window), H, G, D, out, threads.count())
+        lib.attend_rows(rows, seq, at, kv, kind(element(dtype)), 0, int(window), H, G, D, out, threads.count())
     else:
         attend_rows(rows, seq, at, kv, element(dtype), 0, int(window), H, G, D, out)
     return out

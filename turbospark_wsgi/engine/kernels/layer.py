@@ -18,8 +18,8 @@ every call, prompt and decode alike, on this path or every call on the other (`T
 
 The KV caches of the R rows' sequences are reached by address: `kv` [S, 3] int64 holds each
 sequence's K buffer address, V buffer address and capacity (buffers C-contiguous [n_layer,
-capacity, G, D] of `elem`'s type, float32 or half floats: attention.py, NOTE(kv-half); kept alive
-and large enough by the caller for the call's length).
+capacity, G, row] of `elem`'s type, float32, half floats or q8_0 rows: attention.py, NOTE(kv-half),
+kv_cache.py, NOTE(kv-q8); kept alive and large enough by the caller for the call's length).
 """
 import numpy as np
 
@@ -98,13 +98,10 @@ if AVAILABLE:
                     x1, x2, c, sn = x[i], x[half + i], cos[p, 0, i], sin[p, 0, i]
                     x[i] = x1 * c - x2 * sn
                     x[half + i] = x2 * c + x1 * sn
-            # NOTE(compile): element loops; the slice assignments took 7 s more to compile
             keys, vals = attention.layer_view(kv, elem, s, 0, li, G, D), attention.layer_view(kv, elem, s, 1, li, G, D)
             for g in range(G):
-                kd, vd = keys[p, g], vals[p, g]
-                for d in range(D):
-                    kd[d] = attention.to_elem(qkv[r, (H + g) * D + d], elem)
-                    vd[d] = attention.to_elem(qkv[r, (H + G + g) * D + d], elem)
+                attention.store_kv(keys[p, g], qkv[r, (H + g) * D:(H + g + 1) * D])
+                attention.store_kv(vals[p, g], qkv[r, (H + G + g) * D:(H + G + g + 1) * D])
 
     @njit(**_FM)
     def _residual(x, y, norms, post, eps):   # pragma: no cover - compiled

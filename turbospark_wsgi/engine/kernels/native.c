@@ -41,7 +41,7 @@ static inline int omp_get_thread_num(void) { return 0; }
 #ifndef TS_PATH
 #define TS_PATH 4
 #endif
-#define TS_ABI 5
+#define TS_ABI 6
 #define TS_OK 0
 #define TS_NOMEM 1
 
@@ -852,54 +852,97 @@ void ts_dequant_t(const ts_fweight *w, i64 t0, float *out, i64 cols, int nthread
 /* ---- attention (attention.py) ---------------------------------------------------------------- */
 
 /* The KV caches of a call: kv [S, 3] (K address, V address, capacity), buffers [n_layer, capacity,
- * G, D] of half floats (bits) where `half`, else float32. */
+ * G, row] whose rows hold one KV head's D values as `kind` says: KV_F32 float32, KV_F16 half floats
+ * (bits), KV_Q8 GGUF's q8_0 numbers (NOTE(kv-q8)). */
+#define KV_F32 0
+#define KV_F16 1
+#define KV_Q8 2
 typedef struct {
     const i64 *kv;
-    int half;
+    int kind;
     i64 li, G, D;
 } kvset;
 
-static inline const void *kv_row(const kvset *c, i64 s, int which, i64 j, i64 g) {
-    const i64 cap = c->kv[s * 3 + 2];
-    const i64 at = ((c->li * cap + j) * c->G + g) * c->D;
-    const char *base = (const char *)(intptr_t)c->kv[s * 3 + which];
-    return base + at * (c->half ? 2 : 4);
+/* NOTE(kv-q8): a q8_0 row is D int8 values, then D/32 half-float scales, one per 32 values (D a
+ * multiple of 32): value d is q[d] * scale[d / 32], a product exact in float32 (11 by 8 significant
+ * bits), so attention over q8_0 rows computes what it computes over float32 rows holding those
+ * values, bit for bit. A block's scale is the half float nearest amax / 127 and q = rint(x / scale)
+ * (ties to even) held to +-127; 0 where the scale is 0. 34 bytes for 32 values, as the file format
+ * and llama.cpp's -ctk/-ctv q8_0 (which multiplies by 1/scale and rounds ties away from zero: a
+ * value may land one step apart there). */
+static inline i64 row_bytes(int kind, i64 D) { return kind == KV_Q8 ? D + D / 16 : D * (kind == KV_F16 ? 2 : 4); }
+
+static inline float q8_scale(const void *row, i64 D, i64 d) {
+    uint16_t h;
+    memcpy(&h, (const char *)row + D + 2 * (d / 32), 2);
+    return h2f(h);
 }
 
-static inline float elem(const void *row, int half, i64 d) {
-    return half ? h2f(((const uint16_t *)row)[d]) : ((const float *)row)[d];
+/* the q8_0 row of D values x at out (NOTE(kv-q8)) */
+void ts_quantize_kv(const float *x, i64 D, int8_t *out) {
+    for (i64 b = 0; b < D / 32; b++) {
+        const float *xb = x + 32 * b;
+        float amax = 0.0f;
+        for (int e = 0; e < 32; e++) amax = fabsf(xb[e]) > amax ? fabsf(xb[e]) : amax;
+        const uint16_t h = f2h(amax / 127.0f);
+        const float d = h2f(h);
+        for (int e = 0; e < 32; e++) {
+            const float r = d > 0.0f ? rintf(xb[e] / d) : 0.0f;
+            out[32 * b + e] = (int8_t)(r > 127.0f ? 127.0f : r < -127.0f ? -127.0f : r);
+        }
+        memcpy(out + D + 2 * b, &h, 2);
+    }
+}
+
+static inline const void *kv_row(const kvset *c, i64 s, int which, i64 j, i64 g) {
+    const i64 cap = c->kv[s * 3 + 2];
+    const char *base = (const char *)(intptr_t)c->kv[s * 3 + which];
+    return base + ((c->li * cap + j) * c->G + g) * row_bytes(c->kind, c->D);
+}
+
+static inline float elem(const void *row, int kind, i64 D, i64 d) {
+    if (kind == KV_Q8) return (float)((const int8_t *)row)[d] * q8_scale(row, D, d);
+    return kind == KV_F16 ? h2f(((const uint16_t *)row)[d]) : ((const float *)row)[d];
 }
 
 static inline void prefetch_row(const void *row, i64 bytes) {
     for (i64 line = 0; line < bytes; line += 64) __builtin_prefetch((const char *)row + line, 0, 3);
 }
 
+#if defined(__AVX512F__)
+/* 16 values of a row from d on (d a multiple of 16), as float32 */
+static inline __m512 load16(const void *k, int kind, i64 D, i64 d) {
+    if (kind == KV_Q8)
+        return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)((const int8_t *)k + d)))),
+                             _mm512_set1_ps(q8_scale(k, D, d)));
+    return kind == KV_F16 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)k + d)))
+                          : _mm512_loadu_ps((const float *)k + d);
+}
+#elif defined(__AVX2__) && defined(__F16C__)
+/* 8 values of a row from d on (d a multiple of 8), as float32 */
+static inline __m256 load8(const void *k, int kind, i64 D, i64 d) {
+    if (kind == KV_Q8)
+        return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)((const int8_t *)k + d)))),
+                             _mm256_set1_ps(q8_scale(k, D, d)));
+    return kind == KV_F16 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)k + d)))
+                          : _mm256_loadu_ps((const float *)k + d);
+}
+#endif
+
 /* q . k over D, in 16 lanes (lane d % 16) then a fixed tree */
-static inline float dot_row(const float *q, const void *k, int half, i64 D) {
+static inline float dot_row(const float *q, const void *k, int kind, i64 D) {
     float l[LANES];
     i64 d = 0;
 #if defined(__AVX512F__)
     __m512 acc = _mm512_setzero_ps();
-    for (; d + 16 <= D; d += 16) {
-        __m512 kv = half ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)k + d)))
-                         : _mm512_loadu_ps((const float *)k + d);
-        acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_loadu_ps(q + d), kv));
-    }
+    for (; d + 16 <= D; d += 16) acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_loadu_ps(q + d), load16(k, kind, D, d)));
     if (d == D) return hsum512(acc);
     _mm512_storeu_ps(l, acc);
 #elif defined(__AVX2__) && defined(__F16C__)
     __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
     for (; d + 16 <= D; d += 16) {
-        __m256 k0, k1;
-        if (half) {
-            k0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)k + d)));
-            k1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)k + d + 8)));
-        } else {
-            k0 = _mm256_loadu_ps((const float *)k + d);
-            k1 = _mm256_loadu_ps((const float *)k + d + 8);
-        }
-        a0 = _mm256_add_ps(a0, _mm256_mul_ps(_mm256_loadu_ps(q + d), k0));
-        a1 = _mm256_add_ps(a1, _mm256_mul_ps(_mm256_loadu_ps(q + d + 8), k1));
+        a0 = _mm256_add_ps(a0, _mm256_mul_ps(_mm256_loadu_ps(q + d), load8(k, kind, D, d)));
+        a1 = _mm256_add_ps(a1, _mm256_mul_ps(_mm256_loadu_ps(q + d + 8), load8(k, kind, D, d + 8)));
     }
     if (d == D) return hsum256x2(a0, a1);
     _mm256_storeu_ps(l, a0);
@@ -907,34 +950,33 @@ static inline float dot_row(const float *q, const void *k, int half, i64 D) {
 #else
     for (int x = 0; x < LANES; x++) l[x] = 0.0f;
     for (; d + 16 <= D; d += 16)
-        for (int x = 0; x < LANES; x++) l[x] += q[d + x] * elem(k, half, d + x);
+        for (int x = 0; x < LANES; x++) l[x] += q[d + x] * elem(k, kind, D, d + x);
 #endif
-    for (i64 e = d; e < D; e++) l[e - d] += q[e] * elem(k, half, e);
+    for (i64 e = d; e < D; e++) l[e - d] += q[e] * elem(k, kind, D, e);
     return lanes_total(l);
 }
 
 /* o[D] = e0 v0 + ... as o += (e0 v0 + e1 v1) + (e2 v2 + e3 v3) */
 #define ADD4(N, W, P, LD)                                                                                     \
-    if (half) {                                                                                                 \
+    if (kind != KV_F32) {                                                                                       \
         W E0 = P##_set1_ps(e[0]), E1 = P##_set1_ps(e[1]), E2 = P##_set1_ps(e[2]), E3 = P##_set1_ps(e[3]);       \
         for (; d + N <= D; d += N) {                                                                            \
-            W s = P##_add_ps(P##_add_ps(P##_mul_ps(E0, LD(0)), P##_mul_ps(E1, LD(1))),                          \
-                             P##_add_ps(P##_mul_ps(E2, LD(2)), P##_mul_ps(E3, LD(3))));                         \
+            W s = P##_add_ps(P##_add_ps(P##_mul_ps(E0, LD(v[0], kind, D, d)), P##_mul_ps(E1, LD(v[1], kind, D, d))), \
+                             P##_add_ps(P##_mul_ps(E2, LD(v[2], kind, D, d)), P##_mul_ps(E3, LD(v[3], kind, D, d)))); \
             P##_storeu_ps(o + d, P##_add_ps(P##_loadu_ps(o + d), s));                                           \
         }                                                                                                       \
     }
-#define HALVES512(x) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)v[x] + d)))
-#define HALVES256(x) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)v[x] + d)))
-static inline void add4(float *o, const void *const *v, const float *e, int half, i64 D) {
+static inline void add4(float *o, const void *const *v, const float *e, int kind, i64 D) {
     i64 d = 0;
 #if defined(__AVX512F__)
-    ADD4(16, __m512, _mm512, HALVES512)
+    ADD4(16, __m512, _mm512, load16)
 #elif defined(__AVX2__) && defined(__F16C__)
-    ADD4(8, __m256, _mm256, HALVES256)
+    ADD4(8, __m256, _mm256, load8)
 #endif
-    if (half) {
-        const uint16_t *v0 = v[0], *v1 = v[1], *v2 = v[2], *v3 = v[3];
-        for (; d < D; d++) o[d] += (e[0] * h2f(v0[d]) + e[1] * h2f(v1[d])) + (e[2] * h2f(v2[d]) + e[3] * h2f(v3[d]));
+    if (kind != KV_F32) {
+        for (; d < D; d++)
+            o[d] += (e[0] * elem(v[0], kind, D, d) + e[1] * elem(v[1], kind, D, d)) +
+                    (e[2] * elem(v[2], kind, D, d) + e[3] * elem(v[3], kind, D, d));
     } else {
         const float *v0 = v[0], *v1 = v[1], *v2 = v[2], *v3 = v[3];
         for (; d < D; d++) o[d] += (e[0] * v0[d] + e[1] * v1[d]) + (e[2] * v2[d] + e[3] * v3[d]);
@@ -951,12 +993,12 @@ static inline void span(i64 p, i64 window, i64 j0, i64 j1, i64 *a, i64 *b) {
 /* one query vector over keys a..b-1 (a < b) of KV head g of sequence s: o = sum e v,
  * *best = the highest score, returns sum e */
 static float vector(const float *qv, const kvset *c, i64 s, i64 g, i64 a, i64 b, float *sc, float *o, float *best) {
-    const i64 D = c->D, bytes = D * (c->half ? 2 : 4), stride = c->G * bytes;
+    const i64 D = c->D, bytes = row_bytes(c->kind, D), stride = c->G * bytes;
     /* key j's row at kb + j * stride (prefetching past the buffer's end never faults) */
     const char *kb = (const char *)kv_row(c, s, 0, 0, g), *vb = (const char *)kv_row(c, s, 1, 0, g);
     for (i64 j = a; j < b; j++) {
         prefetch_row(kb + (j + AHEAD) * stride, bytes);
-        sc[j - a] = dot_row(qv, kb + j * stride, c->half, D);
+        sc[j - a] = dot_row(qv, kb + j * stride, c->kind, D);
     }
     float m = sc[0];
     for (i64 j = 1; j < b - a; j++) m = sc[j] > m ? sc[j] : m;
@@ -966,12 +1008,12 @@ static float vector(const float *qv, const kvset *c, i64 s, i64 g, i64 a, i64 b,
     for (; j + 4 <= b; j += 4) {
         for (int x = 0; x < 4; x++) prefetch_row(vb + (j + AHEAD + x) * stride, bytes);
         const void *v[4] = {vb + j * stride, vb + (j + 1) * stride, vb + (j + 2) * stride, vb + (j + 3) * stride};
-        add4(o, v, sc + (j - a), c->half, D);
+        add4(o, v, sc + (j - a), c->kind, D);
     }
     for (; j < b; j++) {
         const void *vj = vb + j * stride;
         const float e = sc[j - a];
-        for (i64 d = 0; d < D; d++) o[d] += e * elem(vj, c->half, d);
+        for (i64 d = 0; d < D; d++) o[d] += e * elem(vj, c->kind, D, d);
     }
     float l[LANES];
     for (int x = 0; x < LANES; x++) l[x] = 0.0f;
@@ -1146,9 +1188,9 @@ static void attend_rows(const attn *A, i64 R, float *out, const attend_bufs *s) 
 
 /* out [R, H*D]: row r's query heads at position pos[r] of sequence seq[r] over its keys lo..pos[r] of
  * layer li (lo = pos[r] - window + 1, or 0); query head h reads KV head h / (H/G) */
-int ts_attend_rows(const float *q, i64 ldq, i64 R, const i64 *seq, const i64 *pos, const i64 *kv, int half, i64 li,
+int ts_attend_rows(const float *q, i64 ldq, i64 R, const i64 *seq, const i64 *pos, const i64 *kv, int kind, i64 li,
                    i64 window, i64 H, i64 G, i64 D, float *out, int nthreads) {
-    attn A = {q, ldq, seq, pos, window, H, {kv, half, li, G, D}};
+    attn A = {q, ldq, seq, pos, window, H, {kv, kind, li, G, D}};
     attend_bufs s;
     cut c = {NULL, 0, 0};
     attend_layout(&c, seq, pos, R, window, H, G, D, nthreads, &s);
@@ -1215,7 +1257,7 @@ static void layer_layout(cut *c, const ts_layer_weights *L, i64 R, const i64 *se
     c->bad |= p.bad | at.bad;
 }
 
-int ts_layer(const ts_layer_weights *L, float *x, i64 R, const i64 *seq, const i64 *pos, const i64 *kv, int half,
+int ts_layer(const ts_layer_weights *L, float *x, i64 R, const i64 *seq, const i64 *pos, const i64 *kv, int kind,
              i64 li, i64 window, const float *cos, const float *sin, i64 rot, int nthreads) {
     const i64 H = L->H, G = L->G, D = L->D, dim = L->dim, F = L->ffn, W = (H + 2 * G) * D;
     layer_bufs s;
@@ -1227,7 +1269,7 @@ int ts_layer(const ts_layer_weights *L, float *x, i64 R, const i64 *seq, const i
     const ts_weight *wqkv = L->w, *wo = wqkv + L->parts[0], *wgu = wo + L->parts[1], *wd = wgu + L->parts[2];
     for (i64 r = 0; r < R; r++) norm(x + r * dim, L->norms, L->eps, dim, h + r * dim);
     parts_i8(h, R, wqkv, L->parts[0], qkv, nthreads, &s.p);
-    kvset c = {kv, half, li, G, D};
+    kvset c = {kv, kind, li, G, D};
     for (i64 r = 0; r < R; r++) {
         float *qr = qkv + r * W;
         if (L->bqkv)
@@ -1246,8 +1288,13 @@ int ts_layer(const ts_layer_weights *L, float *x, i64 R, const i64 *seq, const i
         for (i64 g = 0; g < G; g++) {
             void *kd = (void *)kv_row(&c, seq[r], 0, p, g), *vd = (void *)kv_row(&c, seq[r], 1, p, g);
             const float *ks = qr + (H + g) * D, *vs = qr + (H + G + g) * D;
+            if (kind == KV_Q8) {
+                ts_quantize_kv(ks, D, (int8_t *)kd);
+                ts_quantize_kv(vs, D, (int8_t *)vd);
+                continue;
+            }
             for (i64 d = 0; d < D; d++) {
-                if (half) {
+                if (kind == KV_F16) {
                     ((uint16_t *)kd)[d] = f2h(ks[d]);
                     ((uint16_t *)vd)[d] = f2h(vs[d]);
                 } else {

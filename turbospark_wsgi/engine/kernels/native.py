@@ -31,7 +31,7 @@ from . import isa
 from .children import spawn, wait
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "native.c")
-ABI = 5
+ABI = 6
 _BASE = ("-O3", "-std=gnu11", "-fPIC", "-shared", "-fopenmp", "-ffp-contract=off", "-fno-math-errno")
 # what each path compiles with (x86: F16C converts the half-float KV caches; every AVX2 CPU has it)
 FLAGS = {
@@ -220,9 +220,10 @@ class Library:
         lib.ts_attend_rows.argtypes = [p, i64, i64, p, p, p, i32, i64, i64, i64, i64, i64, p, i32]
         lib.ts_layer.argtypes = [p, p, i64, p, p, p, i32, i64, i64, p, p, i64, i32]
         lib.ts_to_half.argtypes = lib.ts_from_half.argtypes = [p, i64, p]
+        lib.ts_quantize_kv.argtypes = [p, i64, p]
         lib.ts_fail_next_alloc.argtypes = [i64]
         lib.ts_release_scratch.argtypes = []
-        for f in (lib.ts_to_half, lib.ts_from_half, lib.ts_quantize_rows, lib.ts_unit_dots, lib.ts_dequant_t,
+        for f in (lib.ts_to_half, lib.ts_from_half, lib.ts_quantize_kv, lib.ts_quantize_rows, lib.ts_unit_dots, lib.ts_dequant_t,
                   lib.ts_release_scratch, lib.ts_fail_next_alloc):
             f.restype = None
         for f in (lib.ts_product_i8, lib.ts_product_f32, lib.ts_attend_rows, lib.ts_layer):   # TS_OK or TS_NOMEM
@@ -308,6 +309,19 @@ class Library:
         self._lib.ts_to_half(_addr(x), x.size, _addr(out))
         return out
 
+    def quantize_kv(self, x):
+        """The q8_0 rows the K/V store writes for float32 rows x [..., D] -> int8 [..., D + D/16]
+        (kv_cache.py, NOTE(kv-q8))."""
+        x = _c(x, np.float32)
+        D = x.shape[-1]
+        if D % 32:
+            raise ValueError(f"q8_0 rows take a multiple of 32 values, not {D}")
+        rows = x.reshape(-1, D)
+        out = np.empty((len(rows), D + D // 16), np.int8)
+        for i, row in enumerate(rows):
+            self._lib.ts_quantize_kv(_addr(row), D, _addr(out[i]))
+        return out.reshape(x.shape[:-1] + (D + D // 16,))
+
     def from_half(self, h):
         """float32 values of half-float bits h, as attention reads them."""
         h = _c(h, np.uint16)
@@ -326,10 +340,11 @@ class Library:
 
     # -- attention and layers
 
-    def attend_rows(self, q, seq, pos, kv, half, li, window, H, G, D, out, threads):
-        """out [R, H*D] = attention.attend_rows's rows: q [R, >= H*D] (row stride q.shape[1])."""
+    def attend_rows(self, q, seq, pos, kv, kind, li, window, H, G, D, out, threads):
+        """out [R, H*D] = attention.attend_rows's rows: q [R, >= H*D] (row stride q.shape[1]); `kind`
+        the caches' rows (attention.kind: 0 float32, 1 half floats, 2 q8_0)."""
         self._check(self._lib.ts_attend_rows(_addr(q), q.shape[1], q.shape[0], _addr(seq), _addr(pos), _addr(kv),
-                                             int(half), li, window, H, G, D, _addr(out), threads), "ts_attend_rows")
+                                             int(kind), li, window, H, G, D, _addr(out), threads), "ts_attend_rows")
 
     def layer_weights(self, args, dim):
         """The C view of one layer from layer.layer_args's tuple (NOTE(layer-parts) in native.c)."""
@@ -361,12 +376,12 @@ class Library:
                    None if ds is None else _addr(ds), None if ms is None else _addr(ms), p.group)
         return _Held(s, (qv, d, m, ds, ms))
 
-    def layer(self, weights, x, seq, pos, kv, half, li, window, cos, sin, threads):
+    def layer(self, weights, x, seq, pos, kv, kind, li, window, cos, sin, threads):
         """One transformer layer on x [R, dim] (in place) as layer.layer computes it."""
         if x.dtype != np.float32 or not x.flags.c_contiguous:
             raise ValueError("the layer runs in place on a C-contiguous float32 x")
         seq, pos, cos, sin = _c(seq, np.int64), _c(pos, np.int64), _c(cos, np.float32), _c(sin, np.float32)
-        self._check(self._lib.ts_layer(weights.ref, _addr(x), x.shape[0], _addr(seq), _addr(pos), _addr(kv), int(half),
+        self._check(self._lib.ts_layer(weights.ref, _addr(x), x.shape[0], _addr(seq), _addr(pos), _addr(kv), int(kind),
                                        li, window, _addr(cos), _addr(sin), cos.shape[-1], threads), "ts_layer")
 
 
