@@ -88,12 +88,8 @@ class Transformer:
 
     @property
     def kv_dtype(self):
-        """What a new KV cache holds where layers are fused (the fused kernels read it: kernels/attention.py,
-        NOTE(kv-half), kv_cache.py, NOTE(kv-q8)): half floats, q8_0 rows (int8) or float32, as the plan
-        says (KernelPlan.for_heads); float32 elsewhere."""
-        if not self.fused or self.plan.kv == "f32":
-            return np.float32
-        return np.int8 if self.plan.for_heads(self.cfg.head_dim).kv == "q8_0" else np.float16
+        """What a new KV cache holds: KernelPlan.kv_dtype's numbers where layers are fused, else float32."""
+        return self.plan.kv_dtype(self.cfg.head_dim) if self.fused else np.float32
 
     def new_cache(self, max_seq=None):
         """An empty KVCache for up to `max_seq` positions (default: the model's context length)."""

@@ -95,6 +95,12 @@ class KernelPlan:
             return self
         return dataclasses.replace(self, kv="f16", kv_why=f"q8_0 takes heads of a multiple of 32 values, not {head_dim}")
 
+    def kv_dtype(self, head_dim):
+        """The numpy dtype of a fused model's KV cache rows (the fused kernels read them:
+        kernels/attention.py, NOTE(kv-half); kv_cache.py, NOTE(kv-q8)): "float16", "float32", or "int8"
+        for q8_0 rows where the heads take them (for_heads)."""
+        return {"f32": "float32", "q8_0": "int8"}.get(self.for_heads(head_dim).kv, "float16")
+
     def describe(self):
         """One line for the startup log and `turbospark models`."""
         fused = self.fused and self.activations == "int8"
