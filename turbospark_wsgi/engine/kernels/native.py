@@ -312,15 +312,15 @@ class Library:
     def quantize_kv(self, x):
         """The q8_0 rows the K/V store writes for float32 rows x [..., D] -> int8 [..., D + D/16]
         (kv_cache.py, NOTE(kv-q8))."""
+        from ..kv_cache import row_len
         x = _c(x, np.float32)
         D = x.shape[-1]
-        if D % 32:
-            raise ValueError(f"q8_0 rows take a multiple of 32 values, not {D}")
+        n = row_len(D, np.int8)                     # refuses heads that are not whole blocks
         rows = x.reshape(-1, D)
-        out = np.empty((len(rows), D + D // 16), np.int8)
+        out = np.empty((len(rows), n), np.int8)
         for i, row in enumerate(rows):
             self._lib.ts_quantize_kv(_addr(row), D, _addr(out[i]))
-        return out.reshape(x.shape[:-1] + (D + D // 16,))
+        return out.reshape(x.shape[:-1] + (n,))
 
     def from_half(self, h):
         """float32 values of half-float bits h, as attention reads them."""
