@@ -50,6 +50,12 @@ class Client:
         parts = urlsplit(args.url)
         self.host, self.port = parts.hostname, parts.port or 80
         self.args = args
+        self.samples = {}                       # error kind -> what the server said, the first time
+
+    def sample(self, kind, detail):
+        self.samples.setdefault(kind, detail[:400].decode("utf-8", "replace") if isinstance(detail, bytes)
+                                else str(detail)[:400])
+        return kind
 
     def connect(self):
         return http.client.HTTPConnection(self.host, self.port, timeout=self.args.timeout)
@@ -78,11 +84,14 @@ class Client:
                 return "disconnected", None, time.perf_counter() - start
             resp = conn.getresponse()
             if resp.status != 200:
-                resp.read()
-                return _refusal(resp), None, time.perf_counter() - start
+                outcome = _refusal(resp)
+                body = resp.read()
+                if outcome != "rejected":
+                    self.sample(outcome, body)
+                return outcome, None, time.perf_counter() - start
             return self._read(resp, conn, stream, leave_at, start)
         except (OSError, http.client.HTTPException) as exc:
-            return f"error:{type(exc).__name__}", None, time.perf_counter() - start
+            return self.sample(f"error:{type(exc).__name__}", exc), None, time.perf_counter() - start
         finally:
             conn.close()
 
@@ -94,7 +103,7 @@ class Client:
         ttfb, events, finish = None, 0, None
         for line in resp:
             if line.startswith(b"event: error"):
-                return "error:stream_error_event", ttfb, time.perf_counter() - start
+                return self.sample("error:stream_error_event", resp.readline()), ttfb, time.perf_counter() - start
             if not line.startswith(b"data: "):
                 continue
             ttfb = ttfb or time.perf_counter() - start
@@ -169,16 +178,18 @@ def run(args):
         t.start()
     for t in threads:
         t.join(args.duration + args.timeout + 5)
-    return results, time.perf_counter() - started
+    return results, time.perf_counter() - started, client.samples
 
 
-def summarize(results, elapsed):
+def summarize(results, elapsed, samples=None):
     counts = Counter(outcome for _, outcome, _, _ in results)
     summary = {"requests": len(results), "elapsed_s": round(elapsed, 3)}
     for key in ("completed", "rejected", "disconnected"):
         summary[key] = counts.pop(key, 0)
     summary["errors"] = sum(counts.values())
     summary["error_kinds"] = dict(counts)
+    if counts and samples:
+        summary["error_samples"] = {k: v for k, v in samples.items() if k in counts}
     done = [r for r in results if r[1] == "completed"]
     summary["latency_s"] = _percentiles([total for _, _, _, total in done])
     summary["first_event_s"] = _percentiles([t for _, _, t, _ in done if t is not None])

@@ -59,7 +59,7 @@ def test_200_clients_admitted_complete_rejections_are_fast(server):
     wait_drained(server)
     rss_after = server.worker_rss()
     print(f"worker RSS {rss_before / 2**20:.1f} -> {rss_after / 2**20:.1f} MiB")
-    assert rc == 0 and summary["errors"] == 0, json.dumps(summary)
+    assert rc == 0 and summary["errors"] == 0, json.dumps(summary) + "\n" + server.tail(120)
     assert summary["requests"] == REQUESTS
     assert summary["completed"] > 0 and summary["rejected"] > 0, summary
     assert summary["rejection_latency_s"]["p99"] < 2.0, summary["rejection_latency_s"]
