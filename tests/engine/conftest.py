@@ -304,14 +304,39 @@ def default_reference():
     once for the tests that compare with it (~19 s a load on 2 cores); they only read it."""
     if not DEFAULT_GGUF.exists():
         pytest.skip(f"default model not present at {DEFAULT_GGUF}")
+    return hf_causal_lm(DEFAULT_GGUF)
+
+
+def hf_causal_lm(gguf_file):
+    """transformers' float32 model of `gguf_file`, dequantized by transformers and gguf-py themselves
+    (eager attention, loaded on one thread).
+
+    PERF(reader): gguf-py's reader walks every metadata value through a numpy memmap, twice a load
+    (config, then weights): ~40 s for Gemma 3's 262k-token vocabulary on 2 cores, ~10 s of it the
+    memmap's per-slice overhead. It reads here from the whole file in memory instead (np.fromfile,
+    the same bytes), for the load alone."""
+    import types
+
+    import gguf.gguf_reader as reader
     import torch
     import transformers
-    threads = torch.get_num_threads()
+
+    class _WholeFile(types.ModuleType):
+        def __getattr__(self, name):
+            return getattr(np, name)
+
+        @staticmethod
+        def memmap(path, mode="r", **_):
+            return np.fromfile(path, dtype=np.uint8)
+
+    threads, numpy_module = torch.get_num_threads(), reader.np
     torch.set_num_threads(1)
+    reader.np = _WholeFile("numpy")
     try:
         return transformers.AutoModelForCausalLM.from_pretrained(
-            DEFAULT_GGUF.parent, gguf_file=DEFAULT_GGUF.name, dtype=torch.float32, attn_implementation="eager").eval()
+            gguf_file.parent, gguf_file=gguf_file.name, dtype=torch.float32, attn_implementation="eager").eval()
     finally:
+        reader.np = numpy_module
         torch.set_num_threads(threads)
 
 

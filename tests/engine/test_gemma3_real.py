@@ -42,9 +42,8 @@ def engine():
 @pytest.fixture(scope="module")
 def reference(engine):
     threads = torch.get_num_threads()
+    model = tiny.hf_causal_lm(GEMMA3)
     torch.set_num_threads(1)
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        GEMMA3.parent, gguf_file=GEMMA3.name, dtype=torch.float32, attn_implementation="eager").eval()
     yield model
     torch.set_num_threads(threads)
 
