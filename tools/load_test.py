@@ -97,10 +97,11 @@ class Client:
 
     def _read(self, resp, conn, stream, leave_at, start):
         if not stream:
-            body = json.loads(resp.read())
+            raw = resp.read()
+            body = json.loads(raw)
             ok = body.get("choices") and body["choices"][0].get("finish_reason") in ("stop", "length")
-            return ("completed" if ok else "error:bad_body"), None, time.perf_counter() - start
-        ttfb, events, finish = None, 0, None
+            return ("completed" if ok else self.sample("error:bad_body", raw)), None, time.perf_counter() - start
+        ttfb, events, finish, line = None, 0, None, b""
         for line in resp:
             if line.startswith(b"event: error"):
                 return self.sample("error:stream_error_event", resp.readline()), ttfb, time.perf_counter() - start
@@ -108,14 +109,14 @@ class Client:
                 continue
             ttfb = ttfb or time.perf_counter() - start
             if line.strip() == b"data: [DONE]":
-                outcome = "completed" if finish else "error:no_finish_reason"
+                outcome = "completed" if finish else self.sample("error:no_finish_reason", events)
                 return outcome, ttfb, time.perf_counter() - start
             events += 1
             finish = finish or _finish_reason(line)
             if leave_at is not None and events >= leave_at:
                 _abort(conn)
                 return "disconnected", ttfb, time.perf_counter() - start
-        return "error:truncated", ttfb, time.perf_counter() - start
+        return self.sample("error:truncated", line), ttfb, time.perf_counter() - start
 
 
 def _refusal(resp):
