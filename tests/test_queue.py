@@ -346,3 +346,45 @@ def test_a_full_queue_refuses_live_requests_but_never_a_background_line():
     assert not batch.wait(0) and queue.depth == 1
     for t in (holder, waiter, batch):
         t.release()
+
+
+def test_counts_read_beside_threads_that_change_the_queue_never_raise():
+    """NOTE(readers): the early check (check_room), /health's and /metrics' counts run on other threads
+    than the ones that enqueue and leave; iterating the waiters' deque while it changed raised
+    RuntimeError, which on gthread's accept loop took the worker down."""
+    import sys
+    queue = LockQueue(max_waiting=100_000)
+    holder = queue.enqueue()
+    standing = [queue.enqueue(client=f"c{i % 7}") for i in range(3000)]       # long waits: slow to iterate
+    errors, stop = [], threading.Event()
+
+    def churn():
+        while not stop.is_set():
+            ticket = queue.enqueue(client="churn")
+            ticket.abandon()
+
+    def read():
+        try:
+            while not stop.is_set():
+                queue.check_room("reader")
+                queue.depth, queue.running, queue.background
+        except Exception as e:       # noqa: BLE001 - what the accept loop would have died of
+            errors.append(e)
+            stop.set()
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    threads = [threading.Thread(target=churn) for _ in range(2)] + [threading.Thread(target=read) for _ in range(2)]
+    try:
+        for t in threads:
+            t.start()
+        stop.wait(1.0)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+        sys.setswitchinterval(interval)
+    assert errors == []
+    for t in standing + [holder]:
+        t.release()
+    assert queue.depth == 0 and queue.running == 0

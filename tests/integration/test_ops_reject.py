@@ -170,3 +170,19 @@ def test_after_an_early_answer_the_connection_goes_on_to_the_app(held):
         answers = responses(sock, 3)
     assert [status for status, _, _ in answers] == [503, 200, 503]
     assert json.loads(answers[1][2])["queue"]["waiting"] == HELD_WAITING
+
+
+@pytest.mark.parametrize("worker_class", ["gthread", "gevent"])
+def test_a_fault_in_the_early_answer_leaves_the_request_to_the_app_and_the_worker_up(tmp_path, worker_class):
+    srv = Server(tmp_path, app="broken_early_app:app", worker_class=worker_class,
+                 models=models_dir_with_stories(tmp_path / "models"), model="stories").wait_ready()
+    try:
+        pids = srv.worker_pids()
+        for _ in range(3):
+            status, _, body = srv.post("/v1/completions", {"model": "stories", "prompt": "Once", "max_tokens": 2})
+            assert status == 200, body
+            assert json.loads(body)["choices"][0]["text"] is not None
+        assert srv.worker_pids() == pids, "a worker restarted"
+        assert "the early answer failed; the app answers instead" in srv.tail(400)
+    finally:
+        srv.stop()

@@ -194,11 +194,11 @@ class ThreadWorker(_ProcessSetup, gthread.ThreadWorker):
         if head is None:
             return False
         if framing.state is REFUSE:
-            answer = early.refuse(head.method, head.path, head.fields, conn.client, framing.refused.status,
-                                  framing.refused.message)
+            answer = ask_early(self.log, early.refuse, head.method, head.path, head.fields, conn.client,
+                               framing.refused.status, framing.refused.message)
             keepalive, end = False, len(conn.pending)
         elif framing.state is WHOLE:
-            answer = early.answer(head.method, head.path, head.fields, conn.client)
+            answer = ask_early(self.log, early.answer, head.method, head.path, head.fields, conn.client)
             keepalive = (self.alive and head.version == 1 and len(self.keepalived_conns) < self.max_keepalived
                          and not wants_close(head.fields))
             end = framing.end
@@ -374,15 +374,11 @@ class GeventWorker(_ProcessSetup, ggevent.GeventWorker):
             state, head = framing.feed(data), framing.head
             if head is None or state not in (WHOLE, REFUSE):
                 return False                # not all in, or not plain: the parser's turn (handle_request)
-            try:
-                if state is REFUSE:
-                    answer = early.refuse(head.method, head.path, head.fields, addr, framing.refused.status,
-                                          framing.refused.message)
-                else:
-                    answer = early.answer(head.method, head.path, head.fields, addr)
-            except Exception:       # noqa: BLE001 - the app's own path then answers, and logs it
-                self.log.exception("the early answer failed; the app answers instead")
-                return False
+            if state is REFUSE:
+                answer = ask_early(self.log, early.refuse, head.method, head.path, head.fields, addr,
+                                   framing.refused.status, framing.refused.message)
+            else:
+                answer = ask_early(self.log, early.answer, head.method, head.path, head.fields, addr)
             if answer is None:
                 return False
             self.door.claim()
@@ -435,7 +431,7 @@ class GeventWorker(_ProcessSetup, ggevent.GeventWorker):
         if entry is not None:
             entry[1] = req.unreader
         early = self.early
-        answer = early and early.answer(req.method, req.path, req.headers, addr)
+        answer = early and ask_early(self.log, early.answer, req.method, req.path, req.headers, addr)
         if not answer:
             return super().handle_request(listener_name, req, sock, addr)
         keepalive = self.alive and self.cfg.keepalive and req.version == (1, 1) and not req.should_close()
@@ -550,6 +546,18 @@ def read_available(sock, pending):
 
 def wants_close(fields):
     return any(name.lower() == "connection" and "close" in value.lower() for name, value in fields)
+
+
+def ask_early(log, call, *args):
+    """`call(*args)` (an EarlyRefusal's answer or refuse), or None where it raises. NOTE(loop): on
+    gthread it runs on the loop that accepts every connection, and on gevent before each request, so
+    a fault in it is logged and the app answers the request itself; it never ends the worker or
+    fails every request."""
+    try:
+        return call(*args)
+    except Exception:       # noqa: BLE001 - the app's own path then answers, and logs what it does
+        log.exception("the early answer failed; the app answers instead")
+        return None
 
 
 def response_bytes(answer, version, keepalive):

@@ -107,20 +107,26 @@ class LockQueue:
         self.shutting_down = False
         _queues.add(self)
 
+    # NOTE(readers): every count below is read under the queue's (reentrant) lock: the waiters are a
+    # deque, and iterating one while another thread inserts or removes raises RuntimeError, which on
+    # the accept loop's early check took a whole gthread worker down under load.
     @property
     def depth(self):
         """Live requests waiting for their turn (not counting the running ones, nor batch lines)."""
-        return sum(1 for t in self._waiting if not t.background)
+        with self._condition():
+            return sum(1 for t in self._waiting if not t.background)
 
     @property
     def running(self):
         """Tickets holding a slot (more than `slots` while spare places serve other clients)."""
-        return len(self._holders)
+        with self._condition():
+            return len(self._holders)
 
     @property
     def background(self):
         """(holding, waiting) batch lines."""
-        return (sum(1 for t in self._holders if t.background), sum(1 for t in self._waiting if t.background))
+        with self._condition():
+            return (sum(1 for t in self._holders if t.background), sum(1 for t in self._waiting if t.background))
 
     def shut_down(self):
         """Refuses new tickets and wakes every waiter, which leaves with Overloaded (503)."""
@@ -132,15 +138,15 @@ class LockQueue:
         """Raises what `enqueue(client=client)` would raise now (Overloaded: shutting down, or no place
         left) without taking a place: the cheap first step of admission, before a request costs any work.
 
-        NOTE(race): read without the lock, so a place freed a moment later is missed, as it would be
-        by a request sent a moment earlier; `enqueue` stays the definitive check.
+        NOTE(race): a place freed a moment later is missed, as it would be by a request sent a moment
+        earlier; `enqueue` stays the definitive check. The counts are read under the lock
+        (NOTE(readers)), held only while they are counted.
         """
         if self.shutting_down:
             raise _shutting_down(self.retry_after)
-        if self._full():
-            with self._condition():         # a spare place for `client`? (read under the lock)
-                if self._full() and not self._may_hold(client):
-                    raise self._busy()
+        with self._condition():
+            if self._full() and not self._may_hold(client):
+                raise self._busy()
 
     def enqueue(self, cancel=None, client="", background=False):
         """A new ticket for `client`; Overloaded when `max_waiting` are already waiting.
