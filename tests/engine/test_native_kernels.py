@@ -145,6 +145,27 @@ def test_every_tile_width_gives_the_same_rows(libs, tile):
     assert np.array_equal(*out)
 
 
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0", "Q6_K", "Q4_K"])
+def test_a_row_of_a_product_does_not_depend_on_the_rows_beside_it(libs, qtype, path):
+    """PERF(rows-4) (AVX2: 4 activation rows a pass, the rest 3, 2 or 1) and PERF(k-scales-rows)
+    (K-quant scales converted from 4 rows on): 1 to 9 rows at once give each row the bits it gets
+    alone, on every path, and the first path's bits."""
+    w, ref = make(qtype, 48, 8, tile=48)
+    p, lib = w.parts[0], libs[path]
+    x = np.concatenate([extreme_rows(ref.shape[1], np.random.default_rng(13))] * 2)[:9]
+    alone = np.empty((len(x), p.qs.shape[0] * p.tile), np.float32)
+    for i in range(len(x)):
+        lib.product_i8(x[i:i + 1], p, alone[i:i + 1], 1)
+    for b in range(1, len(x) + 1):
+        y = np.empty((b, alone.shape[1]), np.float32)
+        lib.product_i8(x[:b], p, y, 2)
+        assert np.array_equal(y, alone[:b]), b
+    first = np.empty_like(alone)
+    libs[PATHS[0]].product_i8(x, p, first, 2)
+    assert np.array_equal(first, alone)
+
+
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0", "Q6_K"])
 def test_float_products_and_dequantizers_follow_the_reference(libs, qtype):
     w, ref = make(qtype, 70, 8)

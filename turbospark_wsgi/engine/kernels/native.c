@@ -651,6 +651,107 @@ static void convert_tile(const ts_weight *w, i64 t, float *buf) {
         }
 }
 
+#if TS_PATH == 2
+/* PERF(rows-4): on AVX2 without VNNI the one-row tile is bound by its vector operations, a third of
+ * them unpacking the weights' nibbles. From ROWS_AT_ONCE rows on, a tile runs 8 output rows at a time
+ * against 4 activation rows: each unit's weights loaded and unpacked once for the 4 (q8: their signs
+ * taken once), 4 accumulators kept in registers. Every row's sums are the one-row tile's, formed in
+ * the same order (integer dots exact; the same float steps per unit), so the bits are unchanged. */
+#define ROWS_AT_ONCE 4
+/* x stays in a register where it is: the compiler would otherwise regroup the exact integer sums into
+ * a tree of every product at once, more live vectors than AVX2 has, and spill them */
+#define KEEP(x) __asm__("" : "+x"(x))
+ALWAYS void rows_half(const ts_weight *w, i64 t, const int8_t *q, const float *da, const float *xs, i64 i0,
+                      const int NR, float *y, i64 ldy, i64 c, int h, const int quads, const int mins, const int half) {
+    const i64 nu = w->nu, R = w->R, K = w->K, per = K / nu, step = R * (mins ? 16 : per);
+    const i64 SZ = half ? 2 : 4, chunk = mins ? 256 : 16 * per;
+    const char *d = (const char *)w->d, *m = (const char *)w->m;
+    const __m256i mask = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1), bias = _mm256_set1_epi8((char)0x80);
+    __m256 acc[4];
+    _Pragma("GCC unroll 4") for (int j = 0; j < NR; j++) acc[j] = _mm256_setzero_ps();
+    for (i64 u = 0; u < nu; u++) {
+        const i64 k0 = u * per;
+        const uint8_t *wu = w->qv + (t * nu + u) * step + c * chunk + 32 * h;
+        const int8_t *a = q + i0 * K + k0;
+        __m256i dots[4];
+        if (mins) {
+            __m256i s16[4];
+            _Pragma("GCC unroll 4") for (int j = 0; j < NR; j++) s16[j] = _mm256_setzero_si256();
+            _Pragma("GCC unroll 4") for (int g = 0; g < 4; g++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(wu + 64 * g));
+                const __m256i lo = _mm256_and_si256(v, mask), hi = _mm256_and_si256(_mm256_srli_epi32(v, 4), mask);
+                _Pragma("GCC unroll 4") for (int j = 0; j < NR; j++) {
+                    int32_t a0, a1;
+                    memcpy(&a0, a + j * K + 4 * g, 4);
+                    memcpy(&a1, a + j * K + 16 + 4 * g, 4);
+                    s16[j] = _mm256_add_epi16(s16[j], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(a0)));
+                    s16[j] = _mm256_add_epi16(s16[j], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(a1)));
+                    KEEP(s16[j]);
+                }
+            }
+            _Pragma("GCC unroll 4") for (int j = 0; j < NR; j++) dots[j] = _mm256_madd_epi16(s16[j], ones);
+        } else {
+            _Pragma("GCC unroll 4") for (int j = 0; j < NR; j++) dots[j] = _mm256_setzero_si256();
+            _Pragma("GCC unroll 8") for (int g = 0; g < quads; g++) {
+                const __m256i v = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(wu + 64 * g)), bias);
+                const __m256i mag = _mm256_sign_epi8(v, v);
+                _Pragma("GCC unroll 4") for (int j = 0; j < NR; j++) {
+                    int32_t a0;
+                    memcpy(&a0, a + j * K + 4 * g, 4);
+                    const __m256i p = _mm256_maddubs_epi16(mag, _mm256_sign_epi8(_mm256_set1_epi32(a0), v));
+                    dots[j] = _mm256_add_epi32(dots[j], _mm256_madd_epi16(p, ones));
+                    KEEP(dots[j]);
+                }
+            }
+        }
+        const char *du = d + ((t * nu + u) * R + 16 * c) * SZ;
+        const __m256 dv = scales8(du, NULL, h, half, mins == 0);
+        const __m256 mv = mins == 2 ? _mm256_mul_ps(dv, _mm256_set1_ps(-8.0f))
+                        : mins == 1 ? scales8(m + ((t * nu + u) * R + 16 * c) * SZ, NULL, h, half, 0) : dv;
+        _Pragma("GCC unroll 4") for (int j = 0; j < NR; j++) {
+            const i64 at = (i0 + j) * (K / 32);
+            acc[j] = _mm256_add_ps(acc[j], _mm256_mul_ps(_mm256_mul_ps(dv, _mm256_set1_ps(da[at + k0 / 32])),
+                                                         _mm256_cvtepi32_ps(dots[j])));
+            if (mins) acc[j] = _mm256_add_ps(acc[j], _mm256_mul_ps(mv, _mm256_set1_ps(xs[at + u])));
+        }
+    }
+    _Pragma("GCC unroll 4") for (int j = 0; j < NR; j++)
+        _mm256_storeu_ps(y + (i0 + j) * ldy + t * R + 16 * c + 8 * h, acc[j]);
+}
+
+/* tile t of w (scales as half floats or f32, never K-quant integers) for all B rows, 4 at a time */
+#define ROWS_KIND(QUADS, MINS, HALF)                                                                          \
+    static void rows_##QUADS##_##MINS##_##HALF(const ts_weight *w, i64 t, const int8_t *q, const float *da,    \
+                                               const float *xs, i64 B, float *y, i64 ldy) {                  \
+        for (i64 c = 0; c < w->R / 16; c++)                                                                   \
+            for (int h = 0; h < 2; h++) {                                                                     \
+                i64 i0 = 0;                                                                                   \
+                for (; i0 + 4 <= B; i0 += 4) rows_half(w, t, q, da, xs, i0, 4, y, ldy, c, h, QUADS, MINS, HALF); \
+                switch (B - i0) {                                                                             \
+                case 3: rows_half(w, t, q, da, xs, i0, 3, y, ldy, c, h, QUADS, MINS, HALF); break;            \
+                case 2: rows_half(w, t, q, da, xs, i0, 2, y, ldy, c, h, QUADS, MINS, HALF); break;            \
+                case 1: rows_half(w, t, q, da, xs, i0, 1, y, ldy, c, h, QUADS, MINS, HALF); break;            \
+                default: break;                                                                               \
+                }                                                                                             \
+            }                                                                                                 \
+    }
+#define ROWS_HALVES(QUADS, MINS) ROWS_KIND(QUADS, MINS, 0) ROWS_KIND(QUADS, MINS, 1)
+ROWS_HALVES(4, 1) ROWS_HALVES(4, 2) ROWS_HALVES(4, 0) ROWS_HALVES(8, 0)
+
+typedef void (*rows_fn)(const ts_weight *, i64, const int8_t *, const float *, const float *, i64, float *, i64);
+
+static rows_fn rows_for(int quads, int mins, int half) {
+    if (half == 2) return NULL;
+#define PICK_ROWS(QUADS, MINS) return half ? rows_##QUADS##_##MINS##_1 : rows_##QUADS##_##MINS##_0;
+    if (mins == 1) PICK_ROWS(4, 1)
+    if (mins == 2) PICK_ROWS(4, 2)
+    if (quads == 4) PICK_ROWS(4, 0)
+    if (quads == 8) PICK_ROWS(8, 0)
+#undef PICK_ROWS
+    return NULL;
+}
+#endif
+
 /* y [B, T*R] (row stride ldy) = the quantized rows (q, da, xs, qsum as ts_quantize_rows fills them)
  * times weight w; `conv`: 2 * nu * R floats per thread where B >= CONVERT_ROWS and w has K-quant
  * scales (PERF(k-scales-rows)), else unused. */
@@ -671,6 +772,13 @@ static void matmul_i8(const ts_weight *w, const int8_t *q, const float *da, cons
             one.T = 1, one.half = 0, at = 0;
         }
         float *yt = y + (convert ? t * R : 0);
+#if TS_PATH == 2
+        const rows_fn rows = B >= ROWS_AT_ONCE ? rows_for(quads, mins, (int)one.half) : NULL;
+        if (rows != NULL) {
+            rows(&one, at, q, da, xs, B, yt, ldy);
+            continue;
+        }
+#endif
         for (i64 c0 = 0, nc; c0 < R / 16; c0 += nc) {      /* chunks 8, 4, 2 or 1 at a time */
             nc = R / 16 - c0 >= 8 ? 8 : R / 16 - c0 >= 4 ? 4 : R / 16 - c0 >= 2 ? 2 : 1;
             tile_for(nc, quads, mins, (int)one.half)(&one, at, q, da, xs, qsum, B, yt, ldy, c0);
