@@ -166,6 +166,45 @@ def test_a_row_of_a_product_does_not_depend_on_the_rows_beside_it(libs, qtype, p
     assert np.array_equal(first, alone)
 
 
+def test_q6_k_keeps_6_bits_and_reads_back_as_the_8_bit_layout():
+    """NOTE(q6): a Q6_K weight's int8 layout is 3 blocks a unit (three quarters of the bytes), and
+    the tiled blocks, the rows a token lookup gathers and the 8-bit layout read back from it exactly."""
+    from turbospark_wsgi.engine import quant
+    w, _ = make("Q6_K", 40, 8, tile=32)
+    p = w.parts[0]
+    qs = p.qs.copy()
+    qv = quant.prepare(p)
+    assert quant.is_six(qv) and qv.shape[3] == quant.SIX_BLOCKS
+    wide = quant.widen(qv)
+    assert wide.shape[3] == 4 and qv.nbytes * 4 == wide.nbytes * 3
+    assert np.array_equal(quant.unprepare(p), qs)
+    t, r = np.array([0, 0, 1, 1]), np.array([0, 17, 3, 7])
+    assert np.array_equal(quant.block_rows(p, t, r), quant.untile(p).q[t * p.tile + r])
+    assert not quant.is_six(quant.prepare(make("Q8_0", 40, 8)[0].parts[0]))      # Q8_0: 8 bits, as before
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_q6_k_in_6_bits_gives_the_8_bit_layouts_bits(libs, path):
+    """NOTE(q6): the same weight in 6 bits and widened to 8 gives every product the same bits, for
+    1 to 9 rows (B < 4: widened in registers; from 4 on: a tile widened once), and numba's too."""
+    import dataclasses
+    from turbospark_wsgi.engine import quant
+    w, ref = make("Q6_K", 48, 8, tile=48)
+    six = w.parts[0]
+    quant.prepare(six)
+    eight = dataclasses.replace(six)
+    eight.qv = quant.widen(six.qv)
+    x = np.concatenate([extreme_rows(ref.shape[1], np.random.default_rng(14))] * 2)[:9]
+    for b in range(1, len(x) + 1):
+        y6, y8 = (np.empty((b, six.tiles * six.tile), np.float32) for _ in range(2))
+        libs[path].product_i8(x[:b], six, y6, 2)
+        libs[path].product_i8(x[:b], eight, y8, 2)
+        assert np.array_equal(y6, y8), b
+    yn = np.empty((len(x), six.tiles * six.tile), np.float32)
+    kernels_q8.matmul(x, six, yn, PATHS[0])
+    close(yn[:, :six.n], kernels_q8.matmul_ref(x, w))
+
+
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0", "Q6_K"])
 def test_float_products_and_dequantizers_follow_the_reference(libs, qtype):
     w, ref = make(qtype, 70, 8)

@@ -388,22 +388,68 @@ def fits(p):
 
 def prepare(p):
     """The int8 kernels' layout of a QWeight (kept on it as `p.qv`): uint8
-    [T, units, R/16, quads, 16, 4] (see kernels/int8.py's docstring)."""
+    [T, units, R/16, quads, 16, 4] (see kernels/int8.py's docstring); a Q6_K weight in 6 bits,
+    3 blocks a unit where 8 bits take 4 (NOTE(q6))."""
     if p.qv is None:
         T, n_sub, S, R = p.qs.shape                                    # S = 16 bytes per block/sub-block
         per = 1 if p.kind == "q4" else n_sub // p.d.shape[1]           # q8: sub-blocks per scale
         q = p.qs.view(np.uint8) if p.kind == "q4" else (p.qs.view(np.uint8) ^ np.uint8(128))
         # [T, units, per, S, R] -> [T, units, R/16, per*S/4 quads, 16, 4]
         q = q.reshape(T, n_sub // per, per * S // 4, 4, R // LANES, LANES)
-        p.qv = np.ascontiguousarray(q.transpose(0, 1, 4, 2, 5, 3))
+        qv = np.ascontiguousarray(q.transpose(0, 1, 4, 2, 5, 3))
+        p.qv = _narrow(qv) if _six_fits(p) else qv
     return p.qv
+
+
+# NOTE(q6): Q6_K's weights are 6 bits (q in -32..31), its sub-blocks 16 wide. Kept as int8 they were
+# 34.5 bytes per 32 weights against the file's 26.25: every decode step read a third more of a Q6_K
+# matrix than the file holds (the head of a Q4_K_M file, its attn_v and half its ffn_down). In 6 bits
+# a unit of 16 weights x 16 rows is 3 blocks of [16 rows, 4 bytes] where 8 bits take 4 quads: block 0
+# holds the low 4 bits of quad 0 (low nibbles) and quad 2 (high nibbles), block 1 those of quads 1 and
+# 3, block 2 the top 2 bits of quad g at bits 2g; each value is q + 32. 26.5 bytes per 32 weights
+# with the scales. The kernels widen a quad in registers (native.c six_quad256 / six_byte), or a
+# whole tile once for a prompt (widen_tile); the integer dots are the 8-bit layout's, so every
+# product keeps its bits.
+SIX_BLOCKS = 3
+
+
+def is_six(qv):
+    """Whether the int8 layout qv holds 6-bit units (NOTE(q6))."""
+    return qv.ndim == 6 and qv.shape[3] == SIX_BLOCKS
+
+
+def _six_fits(p):
+    """A Q6_K weight (q8 in units of 16 under K-quant super scales) whose values all fit 6 bits."""
+    if p.kind != "q8" or p.ds is None or p.qs.shape[1] != p.d.shape[1]:
+        return False
+    q = p.qs
+    return bool(q.min() >= -32 and q.max() <= 31)
+
+
+def _narrow(qv):
+    """The 6-bit blocks (SIX_BLOCKS at axis 3) of an 8-bit layout qv (q + 128, 4 quads at axis 3)."""
+    v = qv - np.uint8(96)                                               # q + 32: 0..63
+    lo, top = v & np.uint8(15), v >> np.uint8(4)
+    blocks = [lo[:, :, :, 0] | lo[:, :, :, 2] << np.uint8(4), lo[:, :, :, 1] | lo[:, :, :, 3] << np.uint8(4),
+              top[:, :, :, 0] | top[:, :, :, 1] << np.uint8(2) | top[:, :, :, 2] << np.uint8(4)
+              | top[:, :, :, 3] << np.uint8(6)]
+    return np.ascontiguousarray(np.stack(blocks, axis=3))
+
+
+def widen(b, axis=3):
+    """6-bit blocks (SIX_BLOCKS at `axis`) back to the 8-bit layout's 4 quads, q + 128 (NOTE(q6))."""
+    n0, n1, hb = (np.take(b, i, axis=axis) for i in range(SIX_BLOCKS))
+    lows = (n0 & np.uint8(15), n1 & np.uint8(15), n0 >> np.uint8(4), n1 >> np.uint8(4))
+    quads = [lo | ((hb >> np.uint8(2 * g)) & np.uint8(3)) << np.uint8(4) for g, lo in enumerate(lows)]
+    return np.stack(quads, axis=axis) + np.uint8(96)
 
 
 def unprepare(p):
     """QWeight p's tiled blocks (`qs`: [T, k/32 or k/16, 16, tile]) rebuilt from its int8 layout
     `qv`, the inverse of `prepare`."""
-    T, nu, chunks, quads = p.qv.shape[:4]
-    q = p.qv.transpose(0, 1, 3, 5, 2, 4).reshape(T, nu * quads // 4, 16, chunks * LANES)
+    qv = widen(p.qv) if is_six(p.qv) else p.qv
+    T, nu, chunks, quads = qv.shape[:4]
+    q = qv.transpose(0, 1, 3, 5, 2, 4).reshape(T, nu * quads // 4, 16, chunks * LANES)
     return np.ascontiguousarray(q) if p.kind == "q4" else (q ^ np.uint8(128)).view(np.int8)
 
 
@@ -412,6 +458,8 @@ def block_rows(p, t, r):
     q4 uint8 [N, k/32, 16], q8 int8 [N, k/16, 16]. Only those rows are gathered (a token lookup
     every step: PERF(embed))."""
     b = p.qv[t, :, r // LANES, :, r % LANES]                        # [N, nu, quads, 4]
+    if is_six(p.qv):
+        b = widen(b, axis=2)
     b = b.reshape(len(t), -1, 16)
     return b if p.kind == "q4" else (b ^ np.uint8(128)).view(np.int8)
 

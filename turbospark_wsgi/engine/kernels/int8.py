@@ -23,7 +23,8 @@ Weight layout (`prepare`): for tile t, scale unit u (one q4 block of 32 weights,
 group of 16 or 32) and lane chunk c of 16 output rows, the unit's bytes as `[quads, 16 rows, 4]`:
 four consecutive weights of one row fill one 32-bit lane, the operand shape of `vpdpbusd`. q4 bytes
 keep both nibbles (byte j: weight j low, weight j+16 high); q8 bytes are q + 128 (unsigned), the
-128 * sum(q_a) that adds taken off again per unit.
+128 * sum(q_a) that adds taken off again per unit. A Q6_K weight keeps its units of 16 in 6 bits,
+3 blocks where 8 bits take 4 quads (quant.py, NOTE(q6)), widened to this form before its dots.
 """
 
 import numpy as np
@@ -130,27 +131,39 @@ if AVAILABLE:
         B, K = q.shape
         per = K // nu                       # weights per unit: 32 (q4, Q8_0) or 16 (Q6_K)
         nib = m.shape[0] > 0
-        step = R * (16 if nib else per)     # bytes per unit of one tile
+        six = qv.shape[3] == 3              # Q6_K in 6 bits (quant.py, NOTE(q6))
+        step = R * (16 if nib else 12 if six else per)     # bytes per unit of one tile
         w, qf = qv.reshape(-1), q.reshape(-1)
         for t in prange(T):
             acc = np.zeros((B, R), np.float32)
             isum = np.empty(R, np.int32)
+            wide = np.empty(R * 16 if six else 0, np.uint8)
             for u in range(nu):
                 base, k0 = (t * nu + u) * step, u * per
                 du = d[t, u]
+                src = w
+                if six:                     # the unit widened to 8 bits once for every row
+                    for c in range(R // 16):
+                        for g in range(4):
+                            for at in range(64):
+                                n = np.int32(w[base + c * 192 + 64 * (g & 1) + at])
+                                lo = n & 15 if g < 2 else n >> 4
+                                top = (np.int32(w[base + c * 192 + 128 + at]) >> (2 * g)) & 3
+                                wide[(c * 4 + g) * 64 + at] = np.uint8((lo | top << 4) + 96)
+                    src, base = wide, 0
                 for i in range(B):
                     a = i * K + k0
                     if nib:
                         isum[:] = 0
                         for c in range(R // 16):
-                            _unit_dot(w, base + c * 256, qf, a, isum, c * 16, 4, True, isa_id)
+                            _unit_dot(src, base + c * 256, qf, a, isum, c * 16, 4, True, isa_id)
                     else:                   # bytes hold q + 128: take 128 * sum(q_a) off again
                         isum[:] = -_q8_bias(isa_id) * (qsum[i, k0 // 16] + (qsum[i, k0 // 16 + 1] if per == 32 else 0))
                         for c in range(R // 16):
                             if per == 32:
-                                _unit_dot(w, base + c * 512, qf, a, isum, c * 16, 8, False, isa_id)
+                                _unit_dot(src, base + c * 512, qf, a, isum, c * 16, 8, False, isa_id)
                             else:
-                                _unit_dot(w, base + c * 256, qf, a, isum, c * 16, 4, False, isa_id)
+                                _unit_dot(src, base + c * 256, qf, a, isum, c * 16, 4, False, isa_id)
                     ai, s = acc[i], da[i, k0 // 32]
                     for r in range(R):
                         ai[r] += (du[r] * s) * np.float32(isum[r])

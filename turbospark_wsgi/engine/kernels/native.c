@@ -41,7 +41,7 @@ static inline int omp_get_thread_num(void) { return 0; }
 #ifndef TS_PATH
 #define TS_PATH 4
 #endif
-#define TS_ABI 6
+#define TS_ABI 7
 #define TS_OK 0
 #define TS_NOMEM 1
 
@@ -317,7 +317,8 @@ static int scratch_begin(cut *c) {
  * d and m (q4 mins, or NULL) [T, nu, R]: `half` 0: f32, 1: half floats, 2: K-quant integers (q4:
  * uint8, q8: int8) times the f32 super scales ds, ms [T, nu/group, R] (quant.py, NOTE(k-scales));
  * `mins` 0: q8 (none), 1: q4 with m, 2: q4 with m = -8d (Q4_0, no m kept: quant.py,
- * NOTE(scales-f16)); K inputs, T*R outputs. */
+ * NOTE(scales-f16)); K inputs, T*R outputs. `six`: a q8 weight in units of 16 kept in 6 bits, 3
+ * blocks a unit (quant.py, NOTE(q6)); always with K-quant scales (half 2). */
 typedef struct {
     const uint8_t *qv;
     const void *d;
@@ -327,6 +328,7 @@ typedef struct {
     const float *ds;
     const float *ms;
     i64 group;
+    i64 six;
 } ts_weight;
 
 /* x [B, K] -> q [B, K] int8, d [B, K/32] (max|x| / 127 per block), xs [B, K/32] (d * sum(q)),
@@ -373,14 +375,42 @@ void ts_quantize_rows(const float *x, i64 B, i64 K, int8_t *q, float *d, float *
 ALWAYS float kscale(const void *p, i64 at, int sgn, float sup) {
     return (float)(sgn ? ((const int8_t *)p)[at] : ((const uint8_t *)p)[at]) * sup;
 }
+/* NOTE(q6): a unit of 16 weights (Q6_K's sub-block) x 16 rows in 6 bits is 3 blocks of [16 rows, 4
+ * bytes] (byte 4r + e): block 0's low nibbles hold the low 4 bits of weights 0-3 of each row, its high
+ * nibbles those of 8-11; block 1 the same of 4-7 and 12-15; block 2 the top 2 bits of weight 4g + e
+ * at bits 2g. A weight is q + 32 (0..63). six_byte: byte `at` of quad g (weights 4g..4g+3) as a q8
+ * unit holds it, q + 128. */
+ALWAYS uint8_t six_byte(const uint8_t *w, int g, int at) {
+    const int n = w[64 * (g & 1) + at], lo = g < 2 ? n & 15 : n >> 4;
+    return (uint8_t)((lo | ((w[128 + at] >> (2 * g)) & 3) << 4) + 96);
+}
+#if TS_PATH <= 2
+/* the 4 quads of half h (rows 8h..8h+7) of a 6-bit unit as bytes q + 32 (0..63), from its 3 blocks
+ * read once; the dots take 32 * sum(q_a) off again */
+ALWAYS void six_quads256(const uint8_t *w, int h, __m256i v[4]) {
+    const __m256i n0 = _mm256_loadu_si256((const __m256i *)(w + 32 * h));
+    const __m256i n1 = _mm256_loadu_si256((const __m256i *)(w + 64 + 32 * h));
+    const __m256i hb = _mm256_loadu_si256((const __m256i *)(w + 128 + 32 * h));
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(0x30);
+    v[0] = _mm256_or_si256(_mm256_and_si256(n0, m4), _mm256_and_si256(_mm256_slli_epi16(hb, 4), m2));
+    v[1] = _mm256_or_si256(_mm256_and_si256(n1, m4), _mm256_and_si256(_mm256_slli_epi16(hb, 2), m2));
+    v[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(n0, 4), m4), _mm256_and_si256(hb, m2));
+    v[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(n1, 4), m4),
+                           _mm256_and_si256(_mm256_srli_epi16(hb, 2), m2));
+}
+#endif
+
 #if TS_PATH == 0
 typedef __m512i vi;
 typedef __m512 vf;
-ALWAYS vi unit_dot(const uint8_t *w, const int8_t *a, int quads, int nib, int32_t qa_sum) {
-    vi acc = _mm512_set1_epi32(nib ? 0 : -128 * qa_sum);
+ALWAYS vi unit_dot(const uint8_t *w, const int8_t *a, int quads, int nib, int32_t qa_sum, int six) {
+    vi acc = _mm512_set1_epi32(nib ? 0 : (six ? -32 : -128) * qa_sum);
     const vi mask = _mm512_set1_epi8(0x0F);
+    __m256i lo[4], hi[4];
+    if (six) six_quads256(w, 0, lo), six_quads256(w, 1, hi);
     for (int g = 0; g < quads; g++) {
-        vi v = _mm512_loadu_si512((const void *)(w + 64 * g));
+        vi v = six ? _mm512_inserti64x4(_mm512_castsi256_si512(lo[g & 3]), hi[g & 3], 1)
+                   : _mm512_loadu_si512((const void *)(w + 64 * g));
         int32_t a0, a1;
         memcpy(&a0, a + 4 * g, 4);
         if (nib) {
@@ -425,17 +455,19 @@ typedef struct { __m256 h[2]; } vf;
 #define DPBUSD256(acc, w, a) _mm256_dpbusd_epi32(acc, w, a)     /* the EVEX form (AVX512-VNNI + VL) */
 #endif
 #endif
-ALWAYS vi unit_dot(const uint8_t *w, const int8_t *a, int quads, int nib, int32_t qa_sum) {
+ALWAYS vi unit_dot(const uint8_t *w, const int8_t *a, int quads, int nib, int32_t qa_sum, int six) {
     const __m256i mask = _mm256_set1_epi8(0x0F);
     vi out;
 #if TS_PATH == 1
-    out.h[0] = out.h[1] = _mm256_set1_epi32(nib ? 0 : -128 * qa_sum);
+    out.h[0] = out.h[1] = _mm256_set1_epi32(nib ? 0 : (six ? -32 : -128) * qa_sum);
+    __m256i sv[2][4];
+    if (six) six_quads256(w, 0, sv[0]), six_quads256(w, 1, sv[1]);
     for (int g = 0; g < quads; g++) {
         int32_t a0, a1;
         memcpy(&a0, a + 4 * g, 4);
         memcpy(&a1, a + 16 + 4 * g, 4);
         for (int h = 0; h < 2; h++) {
-            __m256i v = _mm256_loadu_si256((const __m256i *)(w + 64 * g + 32 * h));
+            __m256i v = six ? sv[h][g & 3] : _mm256_loadu_si256((const __m256i *)(w + 64 * g + 32 * h));
             if (nib) {
                 out.h[h] = DPBUSD256(out.h[h], _mm256_and_si256(v, mask), _mm256_set1_epi32(a0));
                 out.h[h] = DPBUSD256(out.h[h], _mm256_and_si256(_mm256_srli_epi32(v, 4), mask), _mm256_set1_epi32(a1));
@@ -449,7 +481,23 @@ ALWAYS vi unit_dot(const uint8_t *w, const int8_t *a, int quads, int nib, int32_
      * in int16 before one vpmaddwd. q8: |q| (<= 128) takes its sign onto a (vpsignb): one pair
      * reaches 2 * 128 * 127 = 32512 and is widened at once. */
     const __m256i ones = _mm256_set1_epi16(1), bias = _mm256_set1_epi8((char)0x80);
-    (void)qa_sum;
+    if (six) {
+        /* q + 32 (<= 63) x |a| (<= 127): two quads' pairs sum to <= 32004 in int16 */
+        for (int h = 0; h < 2; h++) {
+            __m256i v[4], s16[2];
+            six_quads256(w, h, v);
+            for (int k = 0; k < 2; k++) {
+                int32_t a0, a1;
+                memcpy(&a0, a + 8 * k, 4);
+                memcpy(&a1, a + 8 * k + 4, 4);
+                s16[k] = _mm256_add_epi16(_mm256_maddubs_epi16(v[2 * k], _mm256_set1_epi32(a0)),
+                                          _mm256_maddubs_epi16(v[2 * k + 1], _mm256_set1_epi32(a1)));
+            }
+            out.h[h] = _mm256_add_epi32(_mm256_add_epi32(_mm256_madd_epi16(s16[0], ones), _mm256_madd_epi16(s16[1], ones)),
+                                        _mm256_set1_epi32(-32 * qa_sum));
+        }
+        return out;
+    }
     for (int h = 0; h < 2; h++) {
         __m256i acc = _mm256_setzero_si256(), s16 = _mm256_setzero_si256();
         for (int g = 0; g < quads; g++) {
@@ -508,7 +556,7 @@ ALWAYS vf vf_update(vf acc, const void *d, const float *ds, float s, vi dots, co
 #else
 typedef struct { int32_t v[LANES]; } vi;
 typedef struct { float v[LANES]; } vf;
-ALWAYS vi unit_dot(const uint8_t *w, const int8_t *a, int quads, int nib, int32_t qa_sum) {
+ALWAYS vi unit_dot(const uint8_t *w, const int8_t *a, int quads, int nib, int32_t qa_sum, int six) {
     vi out;
     (void)qa_sum;
 #if TS_PATH == 3
@@ -516,7 +564,10 @@ ALWAYS vi unit_dot(const uint8_t *w, const int8_t *a, int quads, int nib, int32_
     for (int k = 0; k < 4; k++) {
         int32x4_t acc = vdupq_n_s32(0);
         for (int g = 0; g < quads; g++) {
-            uint8x16_t v = vld1q_u8(w + 64 * g + 16 * k);
+            uint8_t b[16];
+            if (six)
+                for (int e = 0; e < 16; e++) b[e] = six_byte(w, g, 16 * k + e);
+            uint8x16_t v = vld1q_u8(six ? b : w + 64 * g + 16 * k);
             int32_t a0, a1;
             memcpy(&a0, a + 4 * g, 4);
             if (nib) {
@@ -536,7 +587,7 @@ ALWAYS vi unit_dot(const uint8_t *w, const int8_t *a, int quads, int nib, int32_
         for (int l = 0; l < LANES; l++) {
             int32_t t = 0;
             for (int e = 0; e < 4; e++) {
-                int32_t v = wg[4 * l + e];
+                int32_t v = six ? six_byte(w, g, 4 * l + e) : wg[4 * l + e];
                 if (nib)
                     t += (v & 15) * a[4 * g + e] + (v >> 4) * a[16 + 4 * g + e];
                 else
@@ -578,11 +629,12 @@ static inline int32_t unit_qsum(const int32_t *qsum_row, i64 k0, i64 per) {
  * acc += (d_u * d_a) * dot, then for q4 acc += m_u * xs (the min term on the rounded activations:
  * int8.py, NOTE(accuracy)); units in order, so the bits do not depend on NC or the path. MINS as
  * ts_weight's; HALF as ts_weight's `half` (SZ bytes a scale; 2: super scales G units apart). */
-#define TILE_ROWS(NC, QUADS, MINS, HALF)                                                                          \
-    static void tile_##NC##_##QUADS##_##MINS##_##HALF(const ts_weight *w, i64 t, const int8_t *q, const float *da, \
-                                            const float *xs, const int32_t *qsum, i64 B, float *y, i64 ldy, i64 c0) { \
-        const i64 nu = w->nu, R = w->R, K = w->K, per = K / nu, step = R * (MINS ? 16 : per);                     \
-        const i64 SZ = HALF == 2 ? 1 : HALF ? 2 : 4, chunk = MINS ? 256 : 16 * per, G = HALF == 2 ? w->group : 1;  \
+#define TILE_ROWS(NC, QUADS, MINS, HALF, SIX)                                                                     \
+    static void tile_##NC##_##QUADS##_##MINS##_##HALF##_##SIX(const ts_weight *w, i64 t, const int8_t *q,          \
+                            const float *da, const float *xs, const int32_t *qsum, i64 B, float *y, i64 ldy, i64 c0) { \
+        const i64 nu = w->nu, R = w->R, K = w->K, per = K / nu, step = R * (MINS ? 16 : SIX ? 12 : per);         \
+        const i64 SZ = HALF == 2 ? 1 : HALF ? 2 : 4, chunk = MINS ? 256 : SIX ? 192 : 16 * per;                  \
+        const i64 G = HALF == 2 ? w->group : 1;                                                                   \
         const char *d = (const char *)w->d, *m = (const char *)w->m;                                              \
         for (i64 i = 0; i < B; i++) {                                                                             \
             vf acc[NC];                                                                                           \
@@ -599,17 +651,17 @@ static inline int32_t unit_qsum(const int32_t *qsum_row, i64 k0, i64 per) {
                 const float s = da[i * (K / 32) + k0 / 32], x = MINS ? xs[i * (K / 32) + u] : 0.0f;               \
                 _Pragma("GCC unroll 8") for (int c = 0; c < NC; c++)                                              \
                     acc[c] = vf_update(acc[c], du + 16 * (c0 + c) * SZ, dsu ? dsu + 16 * (c0 + c) : NULL, s,          \
-                                       unit_dot(base + (c0 + c) * chunk, a, QUADS, MINS != 0, qs),                \
+                                       unit_dot(base + (c0 + c) * chunk, a, QUADS, MINS != 0, qs, SIX),           \
                                        MINS == 1 ? mu + 16 * (c0 + c) * SZ : NULL, msu ? msu + 16 * (c0 + c) : NULL, \
                                        x, HALF, MINS);                                                            \
             }                                                                                                     \
             _Pragma("GCC unroll 8") for (int c = 0; c < NC; c++) vf_store(y + i * ldy + t * R + 16 * (c0 + c), acc[c]); \
         }                                                                                                         \
     }
-#define TILE_HALVES(NC, QUADS, MINS) TILE_ROWS(NC, QUADS, MINS, 0) TILE_ROWS(NC, QUADS, MINS, 1)
-/* K-quant scales (HALF 2): Q4_K (q4 with mins) and Q6_K (q8 in units of 16: 4 quads) */
+#define TILE_HALVES(NC, QUADS, MINS) TILE_ROWS(NC, QUADS, MINS, 0, 0) TILE_ROWS(NC, QUADS, MINS, 1, 0)
+/* K-quant scales (HALF 2): Q4_K (q4 with mins) and Q6_K (q8 in units of 16: 4 quads; SIX: in 6 bits) */
 #define TILE_ALL(NC) TILE_HALVES(NC, 4, 1) TILE_HALVES(NC, 4, 2) TILE_HALVES(NC, 4, 0) TILE_HALVES(NC, 8, 0) \
-    TILE_ROWS(NC, 4, 1, 2) TILE_ROWS(NC, 4, 0, 2)
+    TILE_ROWS(NC, 4, 1, 2, 0) TILE_ROWS(NC, 4, 0, 2, 0) TILE_ROWS(NC, 4, 0, 2, 1)
 TILE_ALL(1)
 TILE_ALL(2)
 TILE_ALL(4)
@@ -618,11 +670,12 @@ TILE_ALL(8)
 typedef void (*tile_fn)(const ts_weight *, i64, const int8_t *, const float *, const float *, const int32_t *, i64,
                         float *, i64, i64);
 
-static tile_fn tile_for(i64 nc, int quads, int mins, int half) {
-#define PICK_HALF(NC, QUADS, MINS) return half ? tile_##NC##_##QUADS##_##MINS##_1 : tile_##NC##_##QUADS##_##MINS##_0;
+static tile_fn tile_for(i64 nc, int quads, int mins, int half, int six) {
+#define PICK_HALF(NC, QUADS, MINS) return half ? tile_##NC##_##QUADS##_##MINS##_1_0 : tile_##NC##_##QUADS##_##MINS##_0_0;
 #define PICK(NC)                                                                                                   \
     if (nc == NC) {                                                                                                \
-        if (half == 2) return mins == 1 ? tile_##NC##_4_1_2 : mins == 0 && quads == 4 ? tile_##NC##_4_0_2 : NULL;  \
+        if (six) return half == 2 && mins == 0 && quads == 4 ? tile_##NC##_4_0_2_1 : NULL;                         \
+        if (half == 2) return mins == 1 ? tile_##NC##_4_1_2_0 : mins == 0 && quads == 4 ? tile_##NC##_4_0_2_0 : NULL; \
         if (mins == 1) PICK_HALF(NC, 4, 1)                                                                         \
         if (mins == 2) PICK_HALF(NC, 4, 2)                                                                         \
         if (quads == 4) PICK_HALF(NC, 4, 0)                                                                        \
@@ -650,6 +703,32 @@ static void convert_tile(const ts_weight *w, i64 t, float *buf) {
             if (w->mins == 1) buf[(nu + u) * R + r] = kscale(w->m, at, 0, w->ms[sup]);
         }
 }
+
+/* tile t of a six weight (NOTE(q6)) widened to 8 bits into out, as a q8 weight in units of 16 holds
+ * it (q + 128; [nu, R/16, 4 quads, 16, 4]): from 4 rows on a product runs the 8-bit tiles on it, the
+ * unpacking paid once for every row (PERF(k-scales-rows)) */
+static void widen_tile(const ts_weight *w, i64 t, uint8_t *out) {
+    const i64 units = w->nu * (w->R / 16);
+    const uint8_t *src = w->qv + t * units * 192;
+    for (i64 k = 0; k < units; k++) {
+        uint8_t *o = out + k * 256;
+#if TS_PATH <= 2
+        for (int h = 0; h < 2; h++) {
+            __m256i v[4];
+            six_quads256(src + k * 192, h, v);
+            for (int g = 0; g < 4; g++)
+                _mm256_storeu_si256((__m256i *)(o + 64 * g + 32 * h), _mm256_add_epi8(v[g], _mm256_set1_epi8(96)));
+        }
+#else
+        for (int g = 0; g < 4; g++)
+            for (int at = 0; at < 64; at++) o[64 * g + at] = six_byte(src + k * 192, g, at);
+#endif
+    }
+}
+
+/* floats a thread's `conv` slot holds for weights of up to K inputs and R lanes: the tile's scales
+ * and mins in f32, then (NOTE(q6)) a tile widened to 8 bits */
+static inline i64 conv_slot(i64 K, i64 R) { return 2 * (K / 16) * R + R * K / 4; }
 
 #if TS_PATH == 2
 /* PERF(rows-4): on AVX2 without VNNI the one-row tile is bound by its vector operations, a third of
@@ -757,7 +836,7 @@ static rows_fn rows_for(int quads, int mins, int half) {
  * scales (PERF(k-scales-rows)), else unused. */
 static void matmul_i8(const ts_weight *w, const int8_t *q, const float *da, const float *xs, const int32_t *qsum,
                       i64 B, float *y, i64 ldy, int nthreads, float *conv) {
-    const i64 T = w->T, R = w->R, nu = w->nu, per = w->K / nu, step = R * (w->mins ? 16 : per);
+    const i64 T = w->T, R = w->R, nu = w->nu, per = w->K / nu, step = R * (w->mins ? 16 : w->six ? 12 : per);
     const int mins = (int)w->mins, half = (int)w->half, quads = mins ? 4 : (int)(per / 4);
     const int convert = half == 2 && B >= CONVERT_ROWS && conv != NULL;
     int nt = threads_for(nthreads, T);
@@ -766,10 +845,15 @@ static void matmul_i8(const ts_weight *w, const int8_t *q, const float *da, cons
         ts_weight one = *w;
         i64 at = t;
         if (convert) {                     /* tile t alone, its scales in f32: the f32 tile's input */
-            float *buf = conv + (i64)omp_get_thread_num() * 2 * nu * R;
+            float *buf = conv + (i64)omp_get_thread_num() * conv_slot(w->K, R);
             convert_tile(w, t, buf);
             one.qv = w->qv + t * nu * step, one.d = buf, one.m = mins == 1 ? buf + nu * R : NULL;
             one.T = 1, one.half = 0, at = 0;
+            if (w->six) {
+                uint8_t *wide = (uint8_t *)(buf + 2 * nu * R);
+                widen_tile(w, t, wide);
+                one.qv = wide, one.six = 0;
+            }
         }
         float *yt = y + (convert ? t * R : 0);
 #if TS_PATH == 2
@@ -781,7 +865,7 @@ static void matmul_i8(const ts_weight *w, const int8_t *q, const float *da, cons
 #endif
         for (i64 c0 = 0, nc; c0 < R / 16; c0 += nc) {      /* chunks 8, 4, 2 or 1 at a time */
             nc = R / 16 - c0 >= 8 ? 8 : R / 16 - c0 >= 4 ? 4 : R / 16 - c0 >= 2 ? 2 : 1;
-            tile_for(nc, quads, mins, (int)one.half)(&one, at, q, da, xs, qsum, B, yt, ldy, c0);
+            tile_for(nc, quads, mins, (int)one.half, (int)one.six)(&one, at, q, da, xs, qsum, B, yt, ldy, c0);
         }
     }
 }
@@ -789,8 +873,8 @@ static void matmul_i8(const ts_weight *w, const int8_t *q, const float *da, cons
 /* the integer dots alone, for tests: dots [B, T, nu, R] int32 (the plain signed sums) */
 void ts_unit_dots(const ts_weight *w, const int8_t *q, const int32_t *qsum, i64 B, int32_t *out) {
     const i64 T = w->T, nu = w->nu, R = w->R, K = w->K, per = K / nu;
-    const int nib = w->mins != 0, quads = nib ? 4 : (int)(per / 4);
-    const i64 step = R * (nib ? 16 : per), chunk = nib ? 256 : 16 * per;
+    const int nib = w->mins != 0, quads = nib ? 4 : (int)(per / 4), six = (int)w->six;
+    const i64 step = R * (nib ? 16 : six ? 12 : per), chunk = nib ? 256 : six ? 192 : 16 * per;
     for (i64 i = 0; i < B; i++)
         for (i64 t = 0; t < T; t++)
             for (i64 u = 0; u < nu; u++) {
@@ -798,13 +882,13 @@ void ts_unit_dots(const ts_weight *w, const int8_t *q, const int32_t *qsum, i64 
                 const int32_t qs = unit_qsum(qsum + i * (K / 16), k0, per);
                 for (i64 c = 0; c < R / LANES; c++)
                     vi_store(out + ((i * T + t) * nu + u) * R + c * LANES,
-                             unit_dot(w->qv + (t * nu + u) * step + c * chunk, q + i * K + k0, quads, nib, qs));
+                             unit_dot(w->qv + (t * nu + u) * step + c * chunk, q + i * K + k0, quads, nib, qs, six));
             }
 }
 
 /* ts_product_i8's buffers for B rows of up to K inputs: the rows quantized (ts_quantize_rows), and
  * where K-quant weights of up to R lanes take part (R > 0) a tile's f32 scales per thread
- * (PERF(k-scales-rows)) */
+ * (PERF(k-scales-rows)) and room for a tile widened from 6 bits (NOTE(q6)) */
 typedef struct {
     int8_t *q;
     float *da, *xs;
@@ -817,7 +901,7 @@ static void product_layout(cut *c, i64 B, i64 K, i64 R, int nthreads, product_bu
     s->da = (float *)take(c, B * (K / 32), sizeof(float));
     s->xs = (float *)take(c, B * (K / 32), sizeof(float));
     s->qsum = (int32_t *)take(c, B * (K / 16), sizeof(int32_t));
-    s->conv = B >= CONVERT_ROWS && R > 0 ? (float *)take(c, (i64)threads_for(nthreads, nthreads) * 2 * (K / 16) * R,
+    s->conv = B >= CONVERT_ROWS && R > 0 ? (float *)take(c, (i64)threads_for(nthreads, nthreads) * conv_slot(K, R),
                                                 sizeof(float)) : NULL;
 }
 

@@ -27,11 +27,12 @@ import threading
 
 import numpy as np
 
+from .. import quant
 from . import isa
 from .children import spawn, wait
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "native.c")
-ABI = 6
+ABI = 7
 _BASE = ("-O3", "-std=gnu11", "-fPIC", "-shared", "-fopenmp", "-ffp-contract=off", "-fno-math-errno")
 # what each path compiles with (x86: F16C converts the half-float KV caches; every AVX2 CPU has it)
 FLAGS = {
@@ -164,7 +165,7 @@ _p, _i64 = ctypes.c_void_p, ctypes.c_int64
 
 class Weight(ctypes.Structure):
     _fields_ = [("qv", _p), ("d", _p), ("m", _p), ("T", _i64), ("nu", _i64), ("R", _i64), ("K", _i64),
-                ("half", _i64), ("mins", _i64), ("ds", _p), ("ms", _p), ("group", _i64)]
+                ("half", _i64), ("mins", _i64), ("ds", _p), ("ms", _p), ("group", _i64), ("six", _i64)]
 
 
 class FloatWeight(ctypes.Structure):
@@ -368,12 +369,15 @@ class Library:
         _check_shapes(qv, d, m, ds, ms)
         T, nu, R = d.shape
         mins = 0 if p.kind == "q8" else 2 if m is None else 1
-        per = 32 if mins else qv.shape[3] * 4      # q4 blocks of 32, q8 units of 4 bytes a quad
+        six = int(quant.is_six(qv))                # NOTE(q6): 3 blocks a unit of 16
+        per = 32 if mins else 16 if six else qv.shape[3] * 4    # q4 blocks of 32, q8 units of 4 bytes a quad
         half = 2 if ds is not None else int(d.dtype == np.float16)
         if half == 2 and not (mins == 1 and ms is not None or mins == 0 and per == 16):
             raise ValueError(f"no int8 kernel for K-quant scales on a {p.kind} weight in units of {per}")
+        if six and (mins or half != 2):
+            raise ValueError("6-bit blocks are a Q6_K weight's: q8 with K-quant scales")
         s = Weight(_addr(qv), _addr(d), None if m is None else _addr(m), T, nu, R, nu * per, half, mins,
-                   None if ds is None else _addr(ds), None if ms is None else _addr(ms), p.group)
+                   None if ds is None else _addr(ds), None if ms is None else _addr(ms), p.group, six)
         return _Held(s, (qv, d, m, ds, ms))
 
     def layer(self, weights, x, seq, pos, kv, kind, li, window, cos, sin, threads):
