@@ -407,7 +407,7 @@ def prepare(p):
 # a unit of 16 weights x 16 rows is 3 blocks of [16 rows, 4 bytes] where 8 bits take 4 quads: block 0
 # holds the low 4 bits of quad 0 (low nibbles) and quad 2 (high nibbles), block 1 those of quads 1 and
 # 3, block 2 the top 2 bits of quad g at bits 2g; each value is q + 32. 26.5 bytes per 32 weights
-# with the scales. The kernels widen a quad in registers (native.c six_quad256 / six_byte), or a
+# with the scales. The kernels widen a unit in registers (native.c six_quads256 / six_byte), or a
 # whole tile once for a prompt (widen_tile); the integer dots are the 8-bit layout's, so every
 # product keeps its bits.
 SIX_BLOCKS = 3

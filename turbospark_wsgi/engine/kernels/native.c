@@ -624,6 +624,10 @@ static inline int32_t unit_qsum(const int32_t *qsum_row, i64 k0, i64 per) {
     return qsum_row[k0 / 16] + (per == 32 ? qsum_row[k0 / 16 + 1] : 0);
 }
 
+/* bytes one output row of a unit takes in qv: q4 16 (32 nibbles), six 12 (16 weights in 6 bits,
+ * NOTE(q6)), q8 `per`; a unit of a tile takes R times it, a chunk of 16 rows 16 times it */
+static inline i64 unit_row_bytes(int mins, int six, i64 per) { return mins ? 16 : six ? 12 : per; }
+
 /* The int8 product of rows i of tile t for NC chunks of 16 output rows at once (NC = R/16), every
  * chunk's 16 sums kept in registers across the units: per unit u and output row,
  * acc += (d_u * d_a) * dot, then for q4 acc += m_u * xs (the min term on the rounded activations:
@@ -632,8 +636,8 @@ static inline int32_t unit_qsum(const int32_t *qsum_row, i64 k0, i64 per) {
 #define TILE_ROWS(NC, QUADS, MINS, HALF, SIX)                                                                     \
     static void tile_##NC##_##QUADS##_##MINS##_##HALF##_##SIX(const ts_weight *w, i64 t, const int8_t *q,          \
                             const float *da, const float *xs, const int32_t *qsum, i64 B, float *y, i64 ldy, i64 c0) { \
-        const i64 nu = w->nu, R = w->R, K = w->K, per = K / nu, step = R * (MINS ? 16 : SIX ? 12 : per);         \
-        const i64 SZ = HALF == 2 ? 1 : HALF ? 2 : 4, chunk = MINS ? 256 : SIX ? 192 : 16 * per;                  \
+        const i64 nu = w->nu, R = w->R, K = w->K, per = K / nu, step = R * unit_row_bytes(MINS, SIX, per);       \
+        const i64 SZ = HALF == 2 ? 1 : HALF ? 2 : 4, chunk = 16 * unit_row_bytes(MINS, SIX, per);                \
         const i64 G = HALF == 2 ? w->group : 1;                                                                   \
         const char *d = (const char *)w->d, *m = (const char *)w->m;                                              \
         for (i64 i = 0; i < B; i++) {                                                                             \
@@ -742,8 +746,8 @@ static inline i64 conv_slot(i64 K, i64 R) { return 2 * (K / 16) * R + R * K / 4;
 #define KEEP(x) __asm__("" : "+x"(x))
 ALWAYS void rows_half(const ts_weight *w, i64 t, const int8_t *q, const float *da, const float *xs, i64 i0,
                       const int NR, float *y, i64 ldy, i64 c, int h, const int quads, const int mins, const int half) {
-    const i64 nu = w->nu, R = w->R, K = w->K, per = K / nu, step = R * (mins ? 16 : per);
-    const i64 SZ = half ? 2 : 4, chunk = mins ? 256 : 16 * per;
+    const i64 nu = w->nu, R = w->R, K = w->K, per = K / nu, step = R * unit_row_bytes(mins, 0, per);
+    const i64 SZ = half ? 2 : 4, chunk = 16 * unit_row_bytes(mins, 0, per);
     const char *d = (const char *)w->d, *m = (const char *)w->m;
     const __m256i mask = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1), bias = _mm256_set1_epi8((char)0x80);
     __m256 acc[4];
@@ -832,11 +836,12 @@ static rows_fn rows_for(int quads, int mins, int half) {
 #endif
 
 /* y [B, T*R] (row stride ldy) = the quantized rows (q, da, xs, qsum as ts_quantize_rows fills them)
- * times weight w; `conv`: 2 * nu * R floats per thread where B >= CONVERT_ROWS and w has K-quant
- * scales (PERF(k-scales-rows)), else unused. */
+ * times weight w; `conv`: conv_slot(K, R) floats per thread where B >= CONVERT_ROWS and w has K-quant
+ * scales (PERF(k-scales-rows), NOTE(q6)), else unused. */
 static void matmul_i8(const ts_weight *w, const int8_t *q, const float *da, const float *xs, const int32_t *qsum,
                       i64 B, float *y, i64 ldy, int nthreads, float *conv) {
-    const i64 T = w->T, R = w->R, nu = w->nu, per = w->K / nu, step = R * (w->mins ? 16 : w->six ? 12 : per);
+    const i64 T = w->T, R = w->R, nu = w->nu, per = w->K / nu;
+    const i64 step = R * unit_row_bytes((int)w->mins, (int)w->six, per);
     const int mins = (int)w->mins, half = (int)w->half, quads = mins ? 4 : (int)(per / 4);
     const int convert = half == 2 && B >= CONVERT_ROWS && conv != NULL;
     int nt = threads_for(nthreads, T);
@@ -874,7 +879,7 @@ static void matmul_i8(const ts_weight *w, const int8_t *q, const float *da, cons
 void ts_unit_dots(const ts_weight *w, const int8_t *q, const int32_t *qsum, i64 B, int32_t *out) {
     const i64 T = w->T, nu = w->nu, R = w->R, K = w->K, per = K / nu;
     const int nib = w->mins != 0, quads = nib ? 4 : (int)(per / 4), six = (int)w->six;
-    const i64 step = R * (nib ? 16 : six ? 12 : per), chunk = nib ? 256 : six ? 192 : 16 * per;
+    const i64 step = R * unit_row_bytes(nib, six, per), chunk = 16 * unit_row_bytes(nib, six, per);
     for (i64 i = 0; i < B; i++)
         for (i64 t = 0; t < T; t++)
             for (i64 u = 0; u < nu; u++) {
