@@ -183,6 +183,18 @@ def test_q6_k_keeps_6_bits_and_reads_back_as_the_8_bit_layout():
     assert not quant.is_six(quant.prepare(make("Q8_0", 40, 8)[0].parts[0]))      # Q8_0: 8 bits, as before
 
 
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q4_0", "Q8_0"])
+def test_6_bit_blocks_on_any_weight_but_q6_k_are_refused_before_c_reads_them(libs, qtype):
+    """A weight cache whose arrays claim 6-bit units (NOTE(q6)) for a weight that is not Q6_K's is an
+    error in Python: C would read its blocks with the wrong unit size."""
+    from turbospark_wsgi.engine import quant
+    lib, p = libs[PATHS[0]], make(qtype, 32, 8, tile=32)[0].parts[0]
+    qv = quant.prepare(p)
+    forged = np.zeros(qv.shape[:3] + (quant.SIX_BLOCKS,) + qv.shape[4:], np.uint8)
+    with pytest.raises(ValueError):
+        lib.weight_from(forged, p)
+
+
 @pytest.mark.parametrize("path", PATHS)
 def test_q6_k_in_6_bits_gives_the_8_bit_layouts_bits(libs, path):
     """NOTE(q6): the same weight in 6 bits and widened to 8 gives every product the same bits, for
