@@ -700,6 +700,26 @@ static tile_fn tile_for(i64 nc, int quads, int mins, int half, int six) {
 /* tile t's K-quant scales and mins as f32 [nu, R] each into buf (m after d) */
 static void convert_tile(const ts_weight *w, i64 t, float *buf) {
     const i64 nu = w->nu, R = w->R, G = w->group, signs = w->mins == 0;
+#if TS_PATH <= 2
+    /* PERF(convert): 8 lanes at a time, the same int -> float -> times its super scale as kscale (the
+     * compiler left the loop with mins scalar: 11% of a 16-row Q4_K product) */
+    if (R % 8 == 0) {
+        for (i64 u = 0; u < nu; u++) {
+            const i64 at = (t * nu + u) * R, sup = (t * (nu / G) + u / G) * R;
+            for (i64 r = 0; r < R; r += 8) {
+                const __m128i b = _mm_loadl_epi64((const __m128i *)((const uint8_t *)w->d + at + r));
+                const __m256i i = signs ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b);
+                _mm256_storeu_ps(buf + u * R + r, _mm256_mul_ps(_mm256_cvtepi32_ps(i), _mm256_loadu_ps(w->ds + sup + r)));
+                if (w->mins == 1) {
+                    const __m128i mb = _mm_loadl_epi64((const __m128i *)((const uint8_t *)w->m + at + r));
+                    _mm256_storeu_ps(buf + (nu + u) * R + r,
+                                     _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(mb)), _mm256_loadu_ps(w->ms + sup + r)));
+                }
+            }
+        }
+        return;
+    }
+#endif
     for (i64 u = 0; u < nu; u++)
         for (i64 r = 0; r < R; r++) {
             const i64 at = (t * nu + u) * R + r, sup = (t * (nu / G) + u / G) * R + r;
