@@ -217,6 +217,35 @@ def test_q6_k_in_6_bits_gives_the_8_bit_layouts_bits(libs, path):
     close(yn[:, :six.n], kernels_q8.matmul_ref(x, w))
 
 
+@pytest.mark.parametrize("path", PATHS)
+def test_q6_k_at_its_largest_products_does_not_overflow_the_16_bit_sums(libs, path):
+    """PERF(narrow): q = -32 (the lowest 6-bit value, |q| the largest) times q_a = +-127 in every byte
+    puts 4 quads' pairs at -+32512 in one 16-bit lane; 4 to 9 rows at once (the widened tile's
+    path) give the bits each row gets alone and the dequantized product's numbers."""
+    from turbospark_wsgi.engine import quant
+    from test_quant_kernels import GT, reference
+    n, k = 32, 256
+    raw = np.zeros((n, 1, 210), np.uint8)                          # ql = qh = 0: q = -32 everywhere
+    raw[1::2, :, :128] = 0xFF                                      # odd rows: q = +31 (ql 15, qh 3)
+    raw[1::2, :, 128:192] = 0xFF
+    raw[..., 192:208] = 127                                        # the largest int8 sub-scales
+    raw[..., 208:210] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
+    raw = raw.reshape(n, -1)
+    w = quant.pack(quant.decode(raw, GT.Q6_K.value, (n, k)), tile=32)
+    x = np.ones((9, k), np.float32)
+    x[1::2] = -1.0                                                 # q_a = +127 and -127 in every byte
+    x[4, ::3] = -1.0
+    p, lib = w.parts[0], libs[path]
+    alone = np.empty((len(x), p.tiles * p.tile), np.float32)
+    for i in range(len(x)):
+        lib.product_i8(x[i:i + 1], p, alone[i:i + 1], 1)
+    for b in (4, 5, 8, 9):
+        y = np.empty((b, alone.shape[1]), np.float32)
+        lib.product_i8(x[:b], p, y, 2)
+        assert np.array_equal(y, alone[:b]), b
+    close(alone[:, :n], x @ reference(raw, "Q6_K", n, k).T)
+
+
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0", "Q6_K"])
 def test_float_products_and_dequantizers_follow_the_reference(libs, qtype):
     w, ref = make(qtype, 70, 8)

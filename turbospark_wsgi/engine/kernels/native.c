@@ -765,7 +765,8 @@ static inline i64 conv_slot(i64 K, i64 R) { return 2 * (K / 16) * R + R * K / 4;
  * a tree of every product at once, more live vectors than AVX2 has, and spill them */
 #define KEEP(x) __asm__("" : "+x"(x))
 ALWAYS void rows_half(const ts_weight *w, i64 t, const int8_t *q, const float *da, const float *xs, i64 i0,
-                      const int NR, float *y, i64 ldy, i64 c, int h, const int quads, const int mins, const int half) {
+                      const int NR, float *y, i64 ldy, i64 c, int h, const int quads, const int mins, const int half,
+                      const int narrow) {
     const i64 nu = w->nu, R = w->R, K = w->K, per = K / nu, step = R * unit_row_bytes(mins, 0, per);
     const i64 SZ = half ? 2 : 4, chunk = 16 * unit_row_bytes(mins, 0, per);
     const char *d = (const char *)w->d, *m = (const char *)w->m;
@@ -789,6 +790,22 @@ ALWAYS void rows_half(const ts_weight *w, i64 t, const int8_t *q, const float *d
                     memcpy(&a1, a + j * K + 16 + 4 * g, 4);
                     s16[j] = _mm256_add_epi16(s16[j], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(a0)));
                     s16[j] = _mm256_add_epi16(s16[j], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(a1)));
+                    KEEP(s16[j]);
+                }
+            }
+            _Pragma("GCC unroll 4") for (int j = 0; j < NR; j++) dots[j] = _mm256_madd_epi16(s16[j], ones);
+        } else if (narrow) {
+            /* PERF(narrow): a tile widened from 6 bits holds |q| <= 32, so a pair is <= 2 * 32 * 127 and
+             * a unit's 4 quads add up in int16 (<= 32512) before one vpmaddwd, where q8 widens each */
+            __m256i s16[4];
+            _Pragma("GCC unroll 4") for (int j = 0; j < NR; j++) s16[j] = _mm256_setzero_si256();
+            _Pragma("GCC unroll 4") for (int g = 0; g < 4; g++) {
+                const __m256i v = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(wu + 64 * g)), bias);
+                const __m256i mag = _mm256_sign_epi8(v, v);
+                _Pragma("GCC unroll 4") for (int j = 0; j < NR; j++) {
+                    int32_t a0;
+                    memcpy(&a0, a + j * K + 4 * g, 4);
+                    s16[j] = _mm256_add_epi16(s16[j], _mm256_maddubs_epi16(mag, _mm256_sign_epi8(_mm256_set1_epi32(a0), v)));
                     KEEP(s16[j]);
                 }
             }
@@ -822,30 +839,32 @@ ALWAYS void rows_half(const ts_weight *w, i64 t, const int8_t *q, const float *d
         _mm256_storeu_ps(y + (i0 + j) * ldy + t * R + 16 * c + 8 * h, acc[j]);
 }
 
-/* tile t of w (scales as half floats or f32, never K-quant integers) for all B rows, 4 at a time */
-#define ROWS_KIND(QUADS, MINS, HALF)                                                                          \
-    static void rows_##QUADS##_##MINS##_##HALF(const ts_weight *w, i64 t, const int8_t *q, const float *da,    \
-                                               const float *xs, i64 B, float *y, i64 ldy) {                  \
+/* tile t of w (scales as half floats or f32, never K-quant integers) for all B rows, 4 at a time;
+ * NARROW: a q8 tile widened from 6 bits (PERF(narrow)) */
+#define ROWS_KIND(QUADS, MINS, HALF, NARROW)                                                                  \
+    static void rows_##QUADS##_##MINS##_##HALF##_##NARROW(const ts_weight *w, i64 t, const int8_t *q,          \
+                                                         const float *da, const float *xs, i64 B, float *y, i64 ldy) { \
         for (i64 c = 0; c < w->R / 16; c++)                                                                   \
             for (int h = 0; h < 2; h++) {                                                                     \
                 i64 i0 = 0;                                                                                   \
-                for (; i0 + 4 <= B; i0 += 4) rows_half(w, t, q, da, xs, i0, 4, y, ldy, c, h, QUADS, MINS, HALF); \
+                for (; i0 + 4 <= B; i0 += 4) rows_half(w, t, q, da, xs, i0, 4, y, ldy, c, h, QUADS, MINS, HALF, NARROW); \
                 switch (B - i0) {                                                                             \
-                case 3: rows_half(w, t, q, da, xs, i0, 3, y, ldy, c, h, QUADS, MINS, HALF); break;            \
-                case 2: rows_half(w, t, q, da, xs, i0, 2, y, ldy, c, h, QUADS, MINS, HALF); break;            \
-                case 1: rows_half(w, t, q, da, xs, i0, 1, y, ldy, c, h, QUADS, MINS, HALF); break;            \
+                case 3: rows_half(w, t, q, da, xs, i0, 3, y, ldy, c, h, QUADS, MINS, HALF, NARROW); break;    \
+                case 2: rows_half(w, t, q, da, xs, i0, 2, y, ldy, c, h, QUADS, MINS, HALF, NARROW); break;    \
+                case 1: rows_half(w, t, q, da, xs, i0, 1, y, ldy, c, h, QUADS, MINS, HALF, NARROW); break;    \
                 default: break;                                                                               \
                 }                                                                                             \
             }                                                                                                 \
     }
-#define ROWS_HALVES(QUADS, MINS) ROWS_KIND(QUADS, MINS, 0) ROWS_KIND(QUADS, MINS, 1)
-ROWS_HALVES(4, 1) ROWS_HALVES(4, 2) ROWS_HALVES(4, 0) ROWS_HALVES(8, 0)
+#define ROWS_HALVES(QUADS, MINS) ROWS_KIND(QUADS, MINS, 0, 0) ROWS_KIND(QUADS, MINS, 1, 0)
+ROWS_HALVES(4, 1) ROWS_HALVES(4, 2) ROWS_HALVES(4, 0) ROWS_HALVES(8, 0) ROWS_KIND(4, 0, 0, 1)
 
 typedef void (*rows_fn)(const ts_weight *, i64, const int8_t *, const float *, const float *, i64, float *, i64);
 
-static rows_fn rows_for(int quads, int mins, int half) {
+static rows_fn rows_for(int quads, int mins, int half, int narrow) {
     if (half == 2) return NULL;
-#define PICK_ROWS(QUADS, MINS) return half ? rows_##QUADS##_##MINS##_1 : rows_##QUADS##_##MINS##_0;
+    if (narrow) return quads == 4 && mins == 0 && half == 0 ? rows_4_0_0_1 : NULL;
+#define PICK_ROWS(QUADS, MINS) return half ? rows_##QUADS##_##MINS##_1_0 : rows_##QUADS##_##MINS##_0_0;
     if (mins == 1) PICK_ROWS(4, 1)
     if (mins == 2) PICK_ROWS(4, 2)
     if (quads == 4) PICK_ROWS(4, 0)
@@ -882,7 +901,7 @@ static void matmul_i8(const ts_weight *w, const int8_t *q, const float *da, cons
         }
         float *yt = y + (convert ? t * R : 0);
 #if TS_PATH == 2
-        const rows_fn rows = B >= ROWS_AT_ONCE ? rows_for(quads, mins, (int)one.half) : NULL;
+        const rows_fn rows = B >= ROWS_AT_ONCE ? rows_for(quads, mins, (int)one.half, (int)(w->six && convert)) : NULL;
         if (rows != NULL) {
             rows(&one, at, q, da, xs, B, yt, ldy);
             continue;
