@@ -764,6 +764,10 @@ static inline i64 conv_slot(i64 K, i64 R) { return 2 * (K / 16) * R + R * K / 4;
 /* x stays in a register where it is: the compiler would otherwise regroup the exact integer sums into
  * a tree of every product at once, more live vectors than AVX2 has, and spill them */
 #define KEEP(x) __asm__("" : "+x"(x))
+/* PERF(rows-ahead): a tile's passes read a unit's chunk c at a stride of the whole unit, so the first
+ * pass (chunk 0, half 0, rows 0-3) asks for all of the unit this many units ahead: a decode step of
+ * 4 rows, its weights streamed from memory, 70 -> 65 ms on the 1B Q4_K_M (Zen 3); 8 rows ~2% */
+#define ROWS_AHEAD 4
 ALWAYS void rows_half(const ts_weight *w, i64 t, const int8_t *q, const float *da, const float *xs, i64 i0,
                       const int NR, float *y, i64 ldy, i64 c, int h, const int quads, const int mins, const int half,
                       const int narrow) {
@@ -776,6 +780,9 @@ ALWAYS void rows_half(const ts_weight *w, i64 t, const int8_t *q, const float *d
     for (i64 u = 0; u < nu; u++) {
         const i64 k0 = u * per;
         const uint8_t *wu = w->qv + (t * nu + u) * step + c * chunk + 32 * h;
+        if (c == 0 && h == 0 && i0 == 0 && u + ROWS_AHEAD < nu)
+            for (i64 l = 0; l < step; l += 64)
+                _mm_prefetch((const char *)(w->qv + (t * nu + u + ROWS_AHEAD) * step + l), _MM_HINT_T0);
         const int8_t *a = q + i0 * K + k0;
         __m256i dots[4];
         if (mins) {
