@@ -73,6 +73,31 @@ def test_prefix_cache_hit_gives_identical_logits_and_tokens(engine):
            [(e.id, e.logprob, e.top_logprobs) for e in cold[:-1]]
 
 
+
+def test_a_prefix_copied_from_another_slot_gives_identical_logits_and_tokens(engine):
+    """NOTE(copied-prefix): a prompt sharing only a start with another slot's (too little to take
+    that slot over, NOTE(related)) runs in a new slot holding a copy of the start's K/V: the same
+    tokens and log-probabilities as a cold run, and the other slot keeps its own ids."""
+    base = prompts_for(engine, 3)[2]
+    start = base * 2                         # whole chunks, shared
+    a, b = start + base[1:] * 3, start + prompts_for(engine, 2)[1][1:]
+    params = SamplingParams(temperature=0, max_new_tokens=16, logprobs=3)
+
+    def events(prompt):
+        return [e for e in engine.generate(prompt, params) if isinstance(e, (Token, Finish))]
+
+    engine.scheduler.slots.clear()
+    cold = events(b)
+    assert cold[-1].cached_tokens == 0
+    engine.scheduler.slots.clear()
+    events(a)                                # leaves a (and its reply) in a slot
+    warm = events(b)
+    assert warm[-1].cached_tokens >= 8
+    assert len(engine.scheduler.slots) == 2  # b ran in a new slot
+    assert [(e.id, e.logprob, e.top_logprobs) for e in warm[:-1]] == \
+           [(e.id, e.logprob, e.top_logprobs) for e in cold[:-1]]
+    assert events(a + base[1:2])[-1].cached_tokens > len(start)   # a found its own slot, not the copy
+
 def test_decode_batch_rows_are_bit_identical_to_single_rows(engine):
     model = engine.model
     prompts = prompts_for(engine)

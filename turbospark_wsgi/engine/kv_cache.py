@@ -52,6 +52,13 @@ class KVCache:
             raise ValueError(f"cannot truncate a cache of length {self.length} to {n}")
         self.length = n
 
+    def copy_prefix(self, other, n):
+        """Holds `other`'s first n positions (a cache of the same shape and dtype) in place of its own."""
+        self.reserve(n)
+        self.k[:, :n] = other.k[:, :n]
+        self.v[:, :n] = other.v[:, :n]
+        self.length = n
+
     def reserve(self, end, n=0):
         """Makes the buffers hold positions up to `end` (and `n`); past max_seq raises ValueError."""
         if end > self.max_seq:

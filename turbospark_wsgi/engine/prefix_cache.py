@@ -54,6 +54,12 @@ class Slot:
     def forget(self):
         self.keep(0)
 
+    def take_prefix(self, donor, n):
+        """Holds donor's first n ids (n <= donor.reusable of them) and their K/V, copied: the bits a
+        prefill of them gives, as both slots' exact ids are."""
+        self.cache.copy_prefix(donor.cache, n)
+        self.ids, self.exact_len = list(donor.ids[:n]), n
+
     def claim(self, salt):
         """Takes the slot for a run salted `salt`: another salt's ids are forgotten."""
         if salt != self.salt:
@@ -85,3 +91,15 @@ class Slot:
         if stays_exact:
             self.exact_len = len(self.ids)
         return out
+
+
+def copy_shared_prefix(slot, slots, prompt, salt):
+    """NOTE(copied-prefix): where another of `slots` (free or busy) holds a longer reusable prefix of
+    `prompt` under `salt` than `slot` does (NOTE(related) kept the run off it, or it is busy), `slot`
+    takes a copy of those positions' K/V: a copy of a few hundred KB where a prefill would compute
+    every row again, and the other slot keeps its own ids. A shared system prompt or the fixed start
+    of a prompt family costs its prefill once. Runs on the compute thread, as every slot change does."""
+    own = slot.reusable(prompt, salt)
+    donor = max((s for s in slots if s is not slot), key=lambda s: s.reusable(prompt, salt), default=None)
+    if donor is not None and donor.reusable(prompt, salt) > own:
+        slot.take_prefix(donor, donor.reusable(prompt, salt))

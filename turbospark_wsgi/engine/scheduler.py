@@ -15,7 +15,7 @@ import numpy as np
 
 from .events import Finish, FinishReason, Paused, Prefill, Scores, Token
 from .model import SMALL_WINDOW
-from .prefix_cache import Slot
+from .prefix_cache import Slot, copy_shared_prefix
 from .sampling import Sampler, SamplingParams, log_softmax, top_n
 from .speculative import Acceptance, PromptLookup, SpeculativeOptions, plan_rows
 from .stops import StopMatcher
@@ -237,6 +237,7 @@ class Scheduler:
         self._clock += 1
         best.busy, best.used, best.background = True, self._clock, background
         best.claim(salt)
+        copy_shared_prefix(best, self.slots, prompt, salt)
         return best
 
     def poll(self, seq):
