@@ -801,24 +801,11 @@ ALWAYS void rows_half(const ts_weight *w, i64 t, const int8_t *q, const float *d
                 }
             }
             _Pragma("GCC unroll 4") for (int j = 0; j < NR; j++) dots[j] = _mm256_madd_epi16(s16[j], ones);
-        } else if (narrow) {
+        } else {
             /* PERF(narrow): a tile widened from 6 bits holds |q| <= 32, so a pair is <= 2 * 32 * 127 and
              * a unit's 4 quads add up in int16 (<= 32512) before one vpmaddwd, where q8 widens each */
             __m256i s16[4];
-            _Pragma("GCC unroll 4") for (int j = 0; j < NR; j++) s16[j] = _mm256_setzero_si256();
-            _Pragma("GCC unroll 4") for (int g = 0; g < 4; g++) {
-                const __m256i v = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(wu + 64 * g)), bias);
-                const __m256i mag = _mm256_sign_epi8(v, v);
-                _Pragma("GCC unroll 4") for (int j = 0; j < NR; j++) {
-                    int32_t a0;
-                    memcpy(&a0, a + j * K + 4 * g, 4);
-                    s16[j] = _mm256_add_epi16(s16[j], _mm256_maddubs_epi16(mag, _mm256_sign_epi8(_mm256_set1_epi32(a0), v)));
-                    KEEP(s16[j]);
-                }
-            }
-            _Pragma("GCC unroll 4") for (int j = 0; j < NR; j++) dots[j] = _mm256_madd_epi16(s16[j], ones);
-        } else {
-            _Pragma("GCC unroll 4") for (int j = 0; j < NR; j++) dots[j] = _mm256_setzero_si256();
+            _Pragma("GCC unroll 4") for (int j = 0; j < NR; j++) dots[j] = s16[j] = _mm256_setzero_si256();
             _Pragma("GCC unroll 8") for (int g = 0; g < quads; g++) {
                 const __m256i v = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(wu + 64 * g)), bias);
                 const __m256i mag = _mm256_sign_epi8(v, v);
@@ -826,10 +813,16 @@ ALWAYS void rows_half(const ts_weight *w, i64 t, const int8_t *q, const float *d
                     int32_t a0;
                     memcpy(&a0, a + j * K + 4 * g, 4);
                     const __m256i p = _mm256_maddubs_epi16(mag, _mm256_sign_epi8(_mm256_set1_epi32(a0), v));
-                    dots[j] = _mm256_add_epi32(dots[j], _mm256_madd_epi16(p, ones));
-                    KEEP(dots[j]);
+                    if (narrow) {
+                        s16[j] = _mm256_add_epi16(s16[j], p);
+                        KEEP(s16[j]);
+                    } else {
+                        dots[j] = _mm256_add_epi32(dots[j], _mm256_madd_epi16(p, ones));
+                        KEEP(dots[j]);
+                    }
                 }
             }
+            if (narrow) _Pragma("GCC unroll 4") for (int j = 0; j < NR; j++) dots[j] = _mm256_madd_epi16(s16[j], ones);
         }
         const char *du = d + ((t * nu + u) * R + 16 * c) * SZ;
         const __m256 dv = scales8(du, NULL, h, half, mins == 0);
