@@ -99,7 +99,7 @@ def copy_shared_prefix(slot, slots, prompt, salt):
     takes a copy of those positions' K/V: a copy of a few hundred KB where a prefill would compute
     every row again, and the other slot keeps its own ids. A shared system prompt or the fixed start
     of a prompt family costs its prefill once. Runs on the compute thread, as every slot change does."""
-    own = slot.reusable(prompt, salt)
-    donor = max((s for s in slots if s is not slot), key=lambda s: s.reusable(prompt, salt), default=None)
-    if donor is not None and donor.reusable(prompt, salt) > own:
-        slot.take_prefix(donor, donor.reusable(prompt, salt))
+    n, donor = max(((s.reusable(prompt, salt), s) for s in slots if s is not slot), key=lambda c: c[0],
+                   default=(0, None))
+    if n > slot.reusable(prompt, salt):
+        slot.take_prefix(donor, n)
